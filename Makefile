@@ -1,0 +1,59 @@
+# kitchen — `make help` lists the targets.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt 2>/dev/null | cksum | cut -d' ' -f1)
+# The CPU wheel of torch lies on these machines' disk; an unpinned torch would pull a CUDA build.
+TORCH_CPU ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install demo test test-slow test-gpu lint format check-notebooks schema clean
+
+help: ## list the targets, one line each
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+
+$(STAMP):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kitchen needs Python >= 3.11, found " + sys.version.split()[0])'
+	$(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+	  echo "CUDA found: installing torch from the default index"; $(PY) -m pip install -q 'torch>=2.4'; \
+	else \
+	  echo "no CUDA: installing the CPU build $(TORCH_CPU)"; $(PY) -m pip install -q $(TORCH_CPU) 2>&1 | { grep -v '^WARNING: Location' || true; }; \
+	fi
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,qlora,trl]' 2>&1 | { grep -v '^WARNING: Location' || true; }
+	@rm -f $(VENV)/.installed-*; touch $@
+
+install: $(STAMP) ## create .venv and install the kit with its dev, qlora and trl extras
+
+demo: $(STAMP) ## set up, then run the main job end to end
+	$(VENV)/bin/kitchen demo
+
+test: $(STAMP) lint check-notebooks ## set up, then lint, check notebooks and run the whole test suite
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: $(STAMP) ## run the slow tests too (long training; not in CI)
+	$(PY) -m pytest -m 'slow or not slow' $(PYTEST_ARGS)
+
+test-gpu: $(STAMP) ## run the CUDA tests (on a GPU machine)
+	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff lint and format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP) ## ruff fix and format in place
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+check-notebooks: $(STAMP) ## marimo check on every notebook (warnings fail too)
+	$(VENV)/bin/marimo check --strict notebooks/*.py
+
+schema: $(STAMP) ## regenerate the JSON schemas in data/schema/ (editor completion for YAML)
+	$(VENV)/bin/kitchen constitution schema > data/schema/constitution.schema.json
+	$(VENV)/bin/kitchen constitution schema --kind profile > data/schema/profile.schema.json
+
+clean: ## remove the virtual environment, caches and run outputs of the tests
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,121 @@
+"""The `kitchen` command line.
+
+Every subcommand imports what it needs when it runs, so `kitchen --help` is instant. A user
+mistake (a bad file, a bad argument) prints `PATH:LINE: where: what is wrong and how to fix it`
+and exits 2 — never a traceback. Bugs in the kit itself still raise, so they get reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from kitchen.config import KitchenError
+
+EXIT_USER_ERROR = 2
+
+
+def _constitution_validate(args: argparse.Namespace) -> int:
+    from kitchen.constitution import load_constitution
+
+    failed = 0
+    for path in args.paths:
+        try:
+            c = load_constitution(path)
+        except KitchenError as e:
+            failed += 1
+            for p in e.problems:
+                print(p, file=sys.stderr)
+            continue
+        print(
+            f"{path}: ok: {c.name}@{c.version}: {len(c.axioms)} axioms, {len(c.theorems)} "
+            f"theorems, {len(c.dimensions)} dimensions"
+        )
+    return EXIT_USER_ERROR if failed else 0
+
+
+def _constitution_personalize(args: argparse.Namespace) -> int:
+    from kitchen.config import read_yaml, validate_doc
+    from kitchen.constitution import check_profile, load_constitution, personalize, render_text
+    from kitchen.profile import Profile
+
+    c = load_constitution(args.path)
+    doc = read_yaml(args.profile)
+    profile = validate_doc(Profile, doc)
+    problems = check_profile(c, profile)
+    if problems:
+        raise KitchenError([doc.problem(loc, msg) for loc, msg in problems])
+    pc = personalize(c, profile)
+    if args.format == "text":
+        print(render_text(pc))
+    elif args.format == "json":
+        print(pc.model_dump_json(indent=2))
+    else:
+        print(f"# personal constitution {pc.version}", end="\n")
+        print(pc.to_yaml(), end="")
+    return 0
+
+
+def _constitution_schema(args: argparse.Namespace) -> int:
+    from kitchen.constitution import schema
+
+    print(json.dumps(schema(args.kind), indent=2))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kitchen.walkthrough import constitution_walkthrough
+
+    print(constitution_walkthrough())
+    return 0
+
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kitchen", description="Constitution-aligned agent RL: constitutions, GRM, MAPO."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    con = sub.add_parser("constitution", help="validate, personalise and describe constitutions")
+    csub = con.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = csub.add_parser("validate", help="check constitution files; exit 2 on any problem")
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.set_defaults(func=_constitution_validate)
+    p = csub.add_parser("personalize", help="print the personal constitution for a profile")
+    p.add_argument("path", metavar="PATH", help="constitution YAML")
+    p.add_argument("--profile", required=True, metavar="PROFILE", help="profile YAML")
+    p.add_argument("--format", choices=["yaml", "text", "json"], default="yaml")
+    p.set_defaults(func=_constitution_personalize)
+    p = csub.add_parser("schema", help="print the JSON schema (for editor completion)")
+    p.add_argument("--kind", choices=["constitution", "profile"], default="constitution")
+    p.set_defaults(func=_constitution_schema)
+
+    p = sub.add_parser("demo", help="the main job, end to end")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KitchenError as e:
+        for p in e.problems:
+            print(p, file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `kitchen ... | head`
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Shared fixtures: the shipped constitution and profiles, and a helper to run the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kitchen import paths
+from kitchen.constitution import Constitution, load_constitution
+from kitchen.profile import Profile, load_profiles
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def concierge() -> Constitution:
+    return load_constitution(paths.DEFAULT_CONSTITUTION)
+
+
+@pytest.fixture(scope="session")
+def profiles() -> list[Profile]:
+    return load_profiles(paths.PROFILES)
+
+
+def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run `kitchen ARGS` in a fresh interpreter, as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "kitchen.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

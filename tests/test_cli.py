@@ -1,0 +1,98 @@
+"""The `kitchen` command line: exit codes, one line per problem, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from kitchen import paths
+
+from .conftest import run_cli
+
+GOOD = str(paths.DEFAULT_CONSTITUTION)
+
+
+def test_validate_ok():
+    res = run_cli("constitution", "validate", GOOD)
+    assert res.returncode == 0
+    (line,) = res.stdout.strip().splitlines()
+    assert line.startswith(f"{GOOD}: ok: concierge@") and "4 axioms, 7 theorems" in line
+
+
+def test_validate_bad_file_gives_located_lines_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        paths.DEFAULT_CONSTITUTION.read_text()
+        .replace("derives_from: [A1]", "derives_from: [A9]")
+        .replace("applies_when: pace == hurried", "applies_when: mood == hurried")
+    )
+    res = run_cli("constitution", "validate", GOOD, str(bad))
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 2, lines
+    text = bad.read_text().splitlines()
+    for line, needle in zip(lines, ("[A9]", "mood =="), strict=True):
+        path, lineno, rest = line.split(":", 2)
+        assert path == str(bad)
+        assert needle in text[int(lineno) - 1], (line, text[int(lineno) - 1])
+        assert rest.strip().split(":", 1)[1].strip()  # a message after `where:`
+    assert res.stdout.count(": ok:") == 1  # the good file is still reported
+
+
+def test_validate_garbage_inputs_never_traceback(tmp_path):
+    cases = {
+        "binary.yaml": b"\x00\xff\xfe garbage",
+        "list.yaml": b"- a\n- b\n",
+        "tabs.yaml": b"a:\n\t- b\n",
+        "empty.yaml": b"",
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    res = run_cli(
+        "constitution",
+        "validate",
+        *[str(tmp_path / n) for n in cases],
+        str(tmp_path / "missing.yaml"),
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == len(cases) + 1
+
+
+def test_personalize_prints_yaml_with_version():
+    res = run_cli(
+        "constitution",
+        "personalize",
+        GOOD,
+        "--profile",
+        str(paths.PROFILES / "p01-amara-okafor.yaml"),
+    )
+    assert res.returncode == 0, res.stderr
+    doc = yaml.safe_load(res.stdout)
+    assert len(doc["version"]) == 12 and doc["constitution"] == "concierge"
+    assert res.stdout.startswith(f"# personal constitution {doc['version']}")
+    assert {c["id"] for c in doc["clauses"]} >= {"A1", "A2", "A3", "A4", "T3"}
+
+
+def test_personalize_bad_profile_is_located(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text(
+        "id: x\ndimensions:\n  verbosity: chatty\n  pace: hurried\noverrides:\n  A1: {enabled: false}\n"
+    )
+    res = run_cli("constitution", "personalize", GOOD, "--profile", str(p))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"{p}:3: dimensions.verbosity" in res.stderr
+    assert f"{p}:6: overrides.A1" in res.stderr and "red line" in res.stderr
+
+
+def test_schema_is_json():
+    res = run_cli("constitution", "schema")
+    assert res.returncode == 0
+    s = json.loads(res.stdout)
+    assert "axioms" in s["properties"] and "theorems" in s["properties"]
+
+
+def test_help_lists_commands():
+    res = run_cli("--help")
+    assert res.returncode == 0 and "constitution" in res.stdout
