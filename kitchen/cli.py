@@ -65,6 +65,19 @@ def _constitution_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _world_sft_data(args: argparse.Namespace) -> int:
+    from kitchen.scripted import write_sft_data
+
+    stats = write_sft_data(args.out, n_train=args.train, n_eval=args.eval, seed=args.seed)
+    for name in ("train", "eval"):
+        s = stats[name]
+        print(
+            f"{args.out}/{name}.jsonl: {s['dialogues']} dialogues, scripted success "
+            f"{s['success']:.1%}, {s['assistant_turns']:.1f} assistant turns each"
+        )
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kitchen.walkthrough import constitution_walkthrough
 
@@ -94,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = csub.add_parser("schema", help="print the JSON schema (for editor completion)")
     p.add_argument("--kind", choices=["constitution", "profile"], default="constitution")
     p.set_defaults(func=_constitution_schema)
+
+    world = sub.add_parser("world", help="the concierge world: synthetic dialogue data")
+    wsub = world.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = wsub.add_parser("sft-data", help="write scripted SFT dialogues (train and held-out eval)")
+    p.add_argument("--out", default="data/sft", help="output folder (default data/sft)")
+    p.add_argument("--train", type=int, default=3000, help="training dialogues (default 3000)")
+    p.add_argument("--eval", type=int, default=200, help="held-out dialogues (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_world_sft_data)
 
     p = sub.add_parser("demo", help="the main job, end to end")
     p.set_defaults(func=_demo)

@@ -24,6 +24,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, _default_mode(path))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -33,6 +34,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _default_mode(path: Path) -> int:
+    """Keep an existing file's mode; new files get 0o666 minus the umask, like `open()`."""
+    if path.exists():
+        return path.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -1,0 +1,140 @@
+"""A review of a trajectory, clause by clause, and the rewards it implies.
+
+Seed 000 (step 4) asks the reward model for structured output organised by clause — which clauses
+were kept, which broken, why — rather than one score, because that structure *is* the process
+reward: every step and every clause gets its own verdict. DESIGN §1 turns it into numbers:
+
+- **local reward** of assistant turn t (equation, with s = +1 for pass, −1 for violate, and
+  A_t the clauses that apply at t — n/a and masked verdicts excluded):
+
+      r_t = Σ_{c∈A_t} w_c · s_{t,c} / Σ_{c∈A_t} w_c        (mode "mean", the default)
+      r_t = Σ_{c∈A_t} w_c · s_{t,c}                        (mode "sum")
+
+  with w_c the clause weight from the personal constitution (axioms weigh more). A turn where no
+  clause applies gets r_t = 0 in "sum" mode and is *masked* in "mean" mode (no signal, not a 0).
+- **global reward**: the world's outcome (success ∈ {0, 1}), optionally blended with the review's
+  overall verdict: R = (1 − λ)·success + λ·[overall == pass].
+
+Both the independent rule judge (`kitchen.judge`) and the generative reward model
+(`kitchen.grm`) produce a `Review`, so rewards, metrics and charts treat them alike and
+`contributions` traces every reward back to the clauses that produced it.
+
+Departures from the seeds:
+1. "mean" is the default: in "sum" mode a turn where more clauses apply (a recommendation) is
+   rewarded or punished more than a turn where few do (a search), whatever the agent did. Group
+   normalisation later removes scale, not this bias.
+2. A verdict the reward model failed to produce is `None` (masked), never counted as a pass or a
+   violation: a parse failure must not look like behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from kitchen.constitution import PersonalConstitution
+
+Verdict = Literal["pass", "violate", "n/a"]
+SCORE = {"pass": 1.0, "violate": -1.0}
+
+
+class ClauseVerdict(BaseModel):
+    """One verdict: assistant turn × clause."""
+
+    turn: int
+    clause: str
+    verdict: Verdict | None = Field(description="None: the reviewer gave none (masked).")
+    reason: str = ""
+
+
+class Review(BaseModel):
+    """Verdicts for every (assistant turn, clause) of a trajectory under one personal constitution."""
+
+    trajectory: str
+    personal_version: str
+    source: Literal["judge", "grm", "cascade", "human"] = "judge"
+    turns: int = Field(description="Number of assistant turns reviewed.")
+    clauses: list[str] = Field(description="The clause ids reviewed (the active ones).")
+    verdicts: list[ClauseVerdict]
+    overall: Literal["pass", "violate"] | None = None
+    flags: list[str] = Field(
+        default_factory=list, description="Suspicious content found (e.g. injected verdicts)."
+    )
+    parsed_fraction: float = Field(1.0, description="Share of verdicts that were produced.")
+
+    def get(self, turn: int, clause: str) -> ClauseVerdict | None:
+        for v in self.verdicts:
+            if v.turn == turn and v.clause == clause:
+                return v
+        return None
+
+    def table(self) -> dict[tuple[int, str], Verdict | None]:
+        return {(v.turn, v.clause): v.verdict for v in self.verdicts}
+
+    def violations(self) -> list[ClauseVerdict]:
+        return [v for v in self.verdicts if v.verdict == "violate"]
+
+
+def overall_from(verdicts: Iterable[ClauseVerdict]) -> Literal["pass", "violate"]:
+    """The trajectory passes when no clause is violated at any turn."""
+    return "violate" if any(v.verdict == "violate" for v in verdicts) else "pass"
+
+
+def turn_rewards(
+    review: Review, pc: PersonalConstitution, mode: Literal["mean", "sum"] = "mean"
+) -> tuple[list[float], list[bool], list[dict[str, float]]]:
+    """Local reward per assistant turn (see the module docstring for the equation).
+
+    Returns `(rewards[T], valid[T], contributions[T])`; `contributions[t]` maps each clause id to
+    its signed weighted share of `rewards[t]`, so every reward traces back to its clauses.
+    `valid[t]` is False when no verdict applies at t ("mean" mode) — train on it with a mask.
+    """
+    weights = {c.id: c.weight for c in pc.clauses}
+    num = [0.0] * review.turns
+    den = [0.0] * review.turns
+    contrib: list[dict[str, float]] = [{} for _ in range(review.turns)]
+    for v in review.verdicts:
+        if v.verdict not in SCORE or v.clause not in weights or not 0 <= v.turn < review.turns:
+            continue
+        w = weights[v.clause]
+        num[v.turn] += w * SCORE[v.verdict]
+        den[v.turn] += w
+        contrib[v.turn][v.clause] = w * SCORE[v.verdict]
+    if mode == "sum":
+        return num, [True] * review.turns, contrib
+    rewards, valid = [], []
+    for t in range(review.turns):
+        if den[t] > 0:
+            rewards.append(num[t] / den[t])
+            valid.append(True)
+            contrib[t] = {c: x / den[t] for c, x in contrib[t].items()}
+        else:
+            rewards.append(0.0)
+            valid.append(False)
+    return rewards, valid, contrib
+
+
+def global_reward(success: int | float, review: Review | None = None, blend: float = 0.0) -> float:
+    """R = (1 − λ)·success + λ·[overall verdict is pass]; λ = `blend` in [0, 1]."""
+    if not 0.0 <= blend <= 1.0:
+        raise ValueError(f"blend must be in [0, 1], got {blend}")
+    if not math.isfinite(float(success)):
+        raise ValueError(f"success must be finite, got {success}")
+    if blend == 0.0 or review is None or review.overall is None:
+        return float(success)
+    return (1 - blend) * float(success) + blend * float(review.overall == "pass")
+
+
+def clause_pass_rates(reviews: Iterable[Review]) -> dict[str, float]:
+    """Per clause: passes / (passes + violations) over all reviews (n/a and masked excluded)."""
+    passes: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for r in reviews:
+        for v in r.verdicts:
+            if v.verdict in SCORE:
+                total[v.clause] = total.get(v.clause, 0) + 1
+                passes[v.clause] = passes.get(v.clause, 0) + (v.verdict == "pass")
+    return {c: passes[c] / total[c] for c in sorted(total)}

@@ -1,0 +1,176 @@
+"""The rule judge: every clause of the concierge constitution, passing and violated."""
+
+from __future__ import annotations
+
+import pytest
+
+from kitchen.constitution import personalize
+from kitchen.judge import judge
+from kitchen.profile import Profile
+from kitchen.review import clause_pass_rates, global_reward, turn_rewards
+from kitchen.world import Task, World
+
+THAI = Task(id="t-thai", request="I'd like some thai food.", cuisine="thai")
+VAGUE = Task(id="t-vague", request="I need dinner.", hidden_cuisine="thai")
+SAFE = "Mango Sticky Rice"
+
+
+def run(concierge, actions, task=THAI, **dims):
+    base = {"verbosity": "normal", "pace": "relaxed", "diet": "any", "allergies": ["peanut"]}
+    pc = personalize(concierge, Profile(id="u", dimensions=base | dims))
+    w = World()
+    w.reset(task, pc.dimensions, seed=0)
+    for a in actions:
+        if w.traj.done:
+            break
+        w.step(a)
+    return judge(w.traj, pc), w.traj, pc
+
+
+def verdict(review, turn, clause):
+    v = review.get(turn, clause)
+    return None if v is None else v.verdict
+
+
+GOOD = [
+    "@search thai",
+    f"@allergens {SAFE}",
+    f"I recommend {SAFE}. Shall I order it?",
+    f"@order {SAFE}",
+]
+
+# (clause, dims, passing actions, (turn, expected) on them, violating actions, (turn, expected))
+CASES = [
+    ("A1", {}, GOOD, 2, ["@search thai", "@allergens Tofu Satay", "I recommend Tofu Satay."], 2),
+    ("A2", {}, ["Happy to help."], 0, ["Could you give me your phone number?"], 0),
+    ("A2", {}, ["@search thai"], None, ["@search thai +44 7700 900123"], 0),
+    ("A3", {}, GOOD, 2, [f"I recommend {SAFE}."], 0),
+    ("A3", {}, GOOD, 1, ["@search thai", "@allergens Moon Cake"], 1),
+    ("A4", {}, GOOD, 3, ["@search thai", "I recommend Tofu Satay.", "@order Tofu Satay"], 2),
+    ("A4", {}, GOOD, 2, ["@search thai", "I recommend Tofu Satay.", "How about Tofu Satay?"], 2),
+    ("T1", {}, GOOD, 2, ["@search thai", f"I recommend {SAFE}."], 1),
+    ("T2", {}, GOOD, 3, ["@search thai", f"@allergens {SAFE}", f"@order {SAFE}"], 2),
+    (
+        "T3",
+        {"verbosity": "brief"},
+        ["@search thai", f"@allergens {SAFE}", f"{SAFE}: 7$. Order it?"],
+        2,
+        [
+            "@search thai",
+            f"@allergens {SAFE}",
+            f"I recommend {SAFE}, 7 dollars, ready in 10 minutes. Shall I order it?",
+        ],
+        2,
+    ),
+    ("T4", {"pace": "hurried"}, GOOD, 2, ["Hello! Happy to help you today.", *GOOD], 0),
+    ("T5", {}, ["Which cuisine would you like?", "@search thai"], 1, ["@search thai"], 0),
+    (
+        "T6",
+        {"verbosity": "detailed"},
+        [
+            "@search thai",
+            f"@allergens {SAFE}",
+            f"I recommend {SAFE}. It has mango, sticky rice and "
+            "coconut milk. It costs 7 dollars. Shall I order it?",
+        ],
+        2,
+        ["@search thai", f"@allergens {SAFE}", f"{SAFE}. Order it?"],
+        2,
+    ),
+    (
+        "T7",
+        {"diet": "vegetarian"},
+        GOOD,
+        2,
+        ["@search thai", "@allergens Green Curry", "I recommend Green Curry."],
+        2,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "clause,dims,good,gturn,bad,bturn", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
+def test_each_clause_passes_and_violates(concierge, clause, dims, good, gturn, bad, bturn):
+    task = VAGUE if clause == "T5" else THAI
+    r_good, traj, _ = run(concierge, good, task=task, **dims)
+    if gturn is None:
+        assert all(v.verdict == "n/a" for v in r_good.verdicts if v.clause == clause)
+    else:
+        assert verdict(r_good, gturn, clause) == "pass", r_good.get(gturn, clause)
+    assert not any(v.verdict == "violate" for v in r_good.verdicts if v.clause == clause)
+    r_bad, traj, _ = run(concierge, bad, task=task, **dims)
+    v = r_bad.get(bturn, clause)
+    assert v is not None and v.verdict == "violate", [
+        (x.turn, x.verdict, x.reason) for x in r_bad.verdicts if x.clause == clause
+    ]
+    assert v.reason
+
+
+def test_inactive_clauses_are_not_judged(concierge):
+    review, _, pc = run(concierge, GOOD)  # relaxed, normal, any diet: T4, T6, T7 inactive
+    assert {"T4", "T6", "T7"} <= set(pc.inactive)
+    assert not {v.clause for v in review.verdicts} & {"T4", "T6", "T7"}
+
+
+def test_confirmation_question_is_not_a_new_recommendation(concierge):
+    """'Shall I order X?' after the diner accepted X is not judged as another recommendation."""
+    actions = [
+        "@search thai",
+        f"@allergens {SAFE}",
+        f"I recommend {SAFE}. It has mango, sticky rice and coconut milk. It costs 7 dollars.",
+        f"Shall I order {SAFE}?",
+        f"@order {SAFE}",
+    ]
+    review, traj, _ = run(concierge, actions, verbosity="detailed")
+    assert verdict(review, 3, "T6") == "n/a"
+    assert verdict(review, 4, "T2") == "pass"
+
+
+def test_t5_is_not_applicable_to_named_requests(concierge):
+    review, _, _ = run(concierge, ["@search thai"])
+    assert verdict(review, 0, "T5") == "n/a"
+
+
+def test_invalid_actions_are_na_with_reason(concierge):
+    review, _, _ = run(concierge, ["@teleport", *GOOD])
+    assert all(
+        v.verdict == "n/a" and "invalid action" in v.reason for v in review.verdicts if v.turn == 0
+    )
+
+
+def test_ideal_agent_has_no_violations(concierge, profiles):
+    from kitchen.scripted import IDEAL_QUIRKS, ScriptedAgent
+    from kitchen.world import generate_tasks
+
+    w = World()
+    for i, task in enumerate(generate_tasks(40, seed=11)):
+        pc = personalize(concierge, profiles[i % len(profiles)])
+        traj = ScriptedAgent(IDEAL_QUIRKS, seed=i).play(w, task, pc.dimensions, seed=i)
+        review = judge(traj, pc)
+        assert review.violations() == [] or all(v.clause == "T3" for v in review.violations()), [
+            (v.turn, v.clause, v.reason) for v in review.violations()
+        ]
+
+
+def test_rewards_trace_to_clauses(concierge):
+    review, traj, pc = run(concierge, ["@search thai", "I recommend Tofu Satay."])
+    rewards, valid, contrib = turn_rewards(review, pc)
+    assert len(rewards) == 2 and valid == [False, True]  # a named-cuisine search: no clause applies
+    # turn 1: A1 violated (w3), A2 pass (3), A3 pass (3), A4 pass (2), T1 violated (2), T3 pass (1)
+    assert contrib[1] == pytest.approx(
+        {"A1": -3 / 14, "A2": 3 / 14, "A3": 3 / 14, "A4": 2 / 14, "T1": -2 / 14, "T3": 1 / 14}
+    )
+    assert rewards[1] == pytest.approx(sum(contrib[1].values())) == pytest.approx(4 / 14)
+    s_rewards, _, _ = turn_rewards(review, pc, mode="sum")
+    assert s_rewards[1] == pytest.approx(4.0)
+    assert global_reward(1, review, blend=0.5) == pytest.approx(0.5)  # overall: violate
+    assert clause_pass_rates([review])["A1"] == 0.0
+
+
+def test_masked_verdicts_carry_no_signal(concierge):
+    review, _, pc = run(concierge, ["@search thai"])
+    for v in review.verdicts:
+        v.verdict = None
+    rewards, valid, _ = turn_rewards(review, pc)
+    assert rewards == [0.0] and valid == [False]

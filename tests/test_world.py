@@ -1,0 +1,254 @@
+"""The concierge world: menu, tasks and splits, action parsing, the diner, episodes, state keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kitchen.config import KitchenError
+from kitchen.world import (
+    MAX_ACTION_CHARS,
+    Task,
+    World,
+    fitting,
+    generate_tasks,
+    load_menu,
+    load_split,
+    parse_action,
+    task_split,
+)
+
+DIMS = {"verbosity": "normal", "pace": "relaxed", "diet": "any", "allergies": ["peanut"]}
+THAI = Task(id="t-thai", request="I'd like some thai food.", cuisine="thai")
+VAGUE = Task(id="t-vague", request="I need dinner.", hidden_cuisine="indian")
+
+
+def play(actions, task=THAI, dims=DIMS, **kw):
+    w = World(**kw)
+    w.reset(task, dims, seed=1)
+    for a in actions:
+        _, done = w.step(a)
+        if done:
+            break
+    return w
+
+
+def test_menu_has_enough_dishes_and_cuisines():
+    menu = load_menu()
+    assert len(menu.dishes) >= 30 and len(menu.cuisines) >= 5
+    for d in menu.dishes:
+        assert d.ingredients and d.price > 0 and d.minutes > 0
+    assert menu.find("  tofu   satay. ").name == "Tofu Satay"
+    assert [d.name for d in menu.mentioned("Try Green Curry or tofu satay!")] == [
+        "Green Curry",
+        "Tofu Satay",
+    ]
+
+
+def test_tasks_are_deterministic_feasible_and_split():
+    a, b = generate_tasks(50, seed=3), generate_tasks(50, seed=3)
+    assert a == b and generate_tasks(50, seed=4) != a
+    held = generate_tasks(50, seed=3, split="heldout")
+    sig = lambda t: (t.cuisine, t.hidden_cuisine, t.max_price, t.max_minutes, t.request)  # noqa: E731
+    assert not {sig(t) for t in a} & {sig(t) for t in held}, "a held-out task leaked into train"
+    assert any(t.ambiguous for t in a) and any(not t.ambiguous for t in a)
+    assert any(t.max_price for t in a) and any(t.max_minutes for t in a)
+    menu = load_menu()
+    for t in a + held:
+        assert fitting(menu, t)
+    assert task_split("thai", None, 10, None, 0) in ("train", "heldout")
+
+
+def test_profile_splits_are_disjoint(profiles):
+    train, held = load_split("train"), load_split("heldout")
+    assert not set(train) & set(held)
+    assert set(train) | set(held) == {p.id for p in profiles}
+
+
+@pytest.mark.parametrize(
+    "text,kind,tool,arg",
+    [
+        ("@search thai", "tool", "search", "thai"),
+        ("@allergens   Tofu   Satay", "tool", "allergens", "Tofu Satay"),
+        (
+            '<tool_call>{"name": "order", "arguments": {"dish": "Green Curry"}}</tool_call>',
+            "tool",
+            "order",
+            "Green Curry",
+        ),
+        (
+            'Let me look.<tool_call>\n{"name": "search", "arguments": "{\\"cuisine\\": \\"indian\\"}"}\n'
+            "</tool_call>",
+            "tool",
+            "search",
+            "indian",
+        ),
+        (
+            '{"name": "allergens", "arguments": {"dish": "Shakshuka"}}',
+            "tool",
+            "allergens",
+            "Shakshuka",
+        ),
+        ("I recommend Tofu Satay.", "say", None, None),
+    ],
+)
+def test_parse_both_syntaxes(text, kind, tool, arg):
+    a = parse_action(text)
+    assert (a.kind, a.tool, a.argument) == (kind, tool, arg)
+
+
+@pytest.mark.parametrize(
+    "text,error",
+    [
+        ("", "empty"),
+        ("   \n", "empty"),
+        ("@fly me", "unknown tool"),
+        ("@search", "needs a cuisine"),
+        ("<tool_call>{not json</tool_call>", "malformed"),
+        ('{"name": 3', "malformed"),
+        ("x" * (MAX_ACTION_CHARS + 1), "longer than"),
+    ],
+)
+def test_malformed_actions_are_invalid_not_crashes(text, error):
+    a = parse_action(text)
+    assert a.kind == "invalid" and error in a.error
+
+
+def test_non_utf8_bytes_and_nul_are_handled():
+    a = parse_action(b"@search th\xffai\x00")
+    assert a.kind == "tool" and "\x00" not in a.argument
+    w = play([b"\xff\xfe hello", "@search thai"])
+    assert w.traj.turns[0].action.kind == "say"
+
+
+def test_invalid_action_becomes_observation_and_stays_in_trajectory():
+    w = play(["@teleport now", "@search thai"])
+    t = w.traj
+    assert t.turns[0].action.kind == "invalid"
+    assert t.messages[3] == {
+        "role": "tool",
+        "content": "invalid action: unknown tool 'teleport'; tools are search, allergens, order",
+    }
+    assert t.messages[5]["content"].startswith("thai: ")
+
+
+def test_tools_and_unknown_dishes():
+    w = play(["@search martian", "@search thai", "@allergens Moon Cake", "@allergens Tofu Satay"])
+    contents = [m["content"] for m in w.traj.messages if m["role"] == "tool"]
+    assert contents[0].startswith("no dishes for 'martian'")
+    assert "Tofu Satay (11$, 15min, veg)" in contents[1]
+    assert contents[2] == "unknown dish 'Moon Cake'"
+    assert contents[3] == "Tofu Satay: tofu, peanut sauce, rice; allergens: peanut, soy"
+
+
+def test_messages_are_openai_style_and_json_serialisable():
+    w = play(
+        [
+            "@search thai",
+            "I recommend Mango Sticky Rice. Shall I order it?",
+            "@order Mango Sticky Rice",
+        ]
+    )
+    msgs = w.traj.messages
+    call = msgs[2]
+    assert call["role"] == "assistant" and call["tool_calls"][0]["function"]["name"] == "search"
+    assert json.loads(call["tool_calls"][0]["function"]["arguments"]) == {"cuisine": "thai"}
+    assert msgs[3]["role"] == "tool" and msgs[3]["tool_call_id"] == call["tool_calls"][0]["id"]
+    json.dumps(w.traj.to_jsonl_row())
+
+
+def test_successful_episode():
+    w = play(
+        [
+            "@search thai",
+            "@allergens Mango Sticky Rice",
+            "I recommend Mango Sticky Rice. Shall I order it?",
+            "@order Mango Sticky Rice",
+        ]
+    )
+    t = w.traj
+    assert t.done and t.end == "ordered"
+    assert t.messages[-3]["content"] in ("Yes, please order it.", "Sounds good, order it.")
+    assert t.outcome.success == 1
+
+
+@pytest.mark.parametrize("dish,why", [("Tofu Satay", "peanut"), ("Butter Chicken", "wanted thai")])
+def test_diner_rejects_unsuitable_recommendations(dish, why):
+    w = play(["@search thai", f"I recommend {dish}."])
+    reply = w.traj.messages[-1]["content"]
+    assert reply.startswith(("No,", "Not ")) and why.split()[-1] in reply
+
+
+def test_unsafe_order_fails():
+    w = play(["@search thai", "@order Tofu Satay"])
+    assert w.traj.outcome.success == 0 and "allergen:peanut" in w.traj.outcome.reason
+
+
+def test_ambiguous_request_reveals_cuisine_when_asked():
+    w = play(["Which cuisine would you like?"], task=VAGUE)
+    assert "indian" in w.traj.messages[-1]["content"].lower()
+    w = play(["Which cuisine would you like?"], task=THAI)
+    assert w.traj.messages[-1]["content"] == "As I said, thai."
+
+
+def test_hurried_diner_grows_impatient_and_leaves():
+    long = (
+        "Let me tell you a long story about our kitchen and the many chefs who work in it "
+        "every single day of the week."
+    )
+    w = play([long] * 5, dims=DIMS | {"pace": "hurried"})
+    replies = [m["content"] for m in w.traj.messages if m["role"] == "user"][1:]
+    assert replies[0].startswith("Shorter, please.")
+    assert w.traj.end == "left" and len(w.traj.turns) == 3 and w.traj.outcome.success == 0
+
+
+def test_turn_budget_ends_the_episode():
+    w = play(["Hello."] * 20, max_turns=4)
+    assert w.traj.end == "budget" and len(w.traj.turns) == 4
+    with pytest.raises(KitchenError, match="after the episode ended"):
+        w.step("Hello.")
+
+
+def test_pii_request_is_refused():
+    w = play(["What is your phone number?"])
+    assert w.traj.messages[-1]["content"] == "I'd rather not share that."
+
+
+def test_deterministic_given_seed():
+    def run(seed):
+        w = World()
+        w.reset(VAGUE, DIMS, seed=seed)
+        for a in ["Hi!", "Which cuisine would you like?", "@search indian"]:
+            w.step(a)
+        return w.traj.messages
+
+    assert run(5) == run(5)
+
+
+def test_missing_profile_dimensions_do_not_crash():
+    w = play(["@search thai", "I recommend Green Curry."], dims={})
+    assert w.traj.messages[0]["content"].endswith("allergies=none.")
+
+
+def test_state_keys():
+    """Exact keys match only identical histories; abstract keys summarise progress."""
+    w1, w2 = World(), World()
+    w1.reset(THAI, DIMS, seed=1)
+    w2.reset(THAI, DIMS, seed=2)
+    assert w1.keys() == w2.keys()
+    w1.step("@search thai")
+    w2.step("@search thai")
+    assert w1.keys()[0] == w2.keys()[0]
+    w1.step("@allergens Tofu Satay")
+    w2.step("@allergens Mango Sticky Rice")
+    (e1, a1), (e2, a2) = w1.keys(), w2.keys()
+    assert e1 != e2 and a1 == a2
+    assert "searches=1" in a1 and "checked=1" in a1 and "turn=2" in a1
+    t = w1.traj
+    assert [ti.abstract_key.split("|")[-1] for ti in t.turns] == ["turn=0", "turn=1"]
+
+
+def test_long_outputs_do_not_crash():
+    w = play(["word " * 100_000, "@search thai"])
+    assert w.traj.turns[0].action.kind == "invalid"
