@@ -13,6 +13,10 @@ CORE = [
     "kitchen.constitution",
     "kitchen.cli",
     "kitchen.paths",
+    "kitchen.world",
+    "kitchen.judge",
+    "kitchen.review",
+    "kitchen.scripted",
 ]
 
 
