@@ -400,6 +400,11 @@ class TurnInfo(BaseModel):
     tokens: list[int] | None = Field(None, description="The policy's action token ids.")
     logprobs: list[float] | None = Field(None, description="Their log-probs at collection.")
     truncated: bool = Field(False, description="Generation hit the token budget (not trained on).")
+    guarded: bool = Field(
+        False,
+        description="The axiom guard replaced the policy's action with "
+        "its fallback (not trained on).",
+    )
 
 
 class Outcome(BaseModel):
@@ -530,6 +535,7 @@ class World:
         tokens: list[int] | None = None,
         logprobs: list[float] | None = None,
         truncated: bool = False,
+        guarded: bool = False,
     ) -> tuple[str, bool]:
         """Apply one assistant action; returns (observation, done)."""
         t = self._need()
@@ -553,6 +559,7 @@ class World:
                 tokens=tokens,
                 logprobs=logprobs,
                 truncated=truncated,
+                guarded=guarded,
             )
         )
         if action.kind == "invalid":
@@ -698,3 +705,30 @@ class World:
 def render_transcript(t: Trajectory) -> str:
     who = {"system": "system", "user": "diner", "assistant": "agent", "tool": "tool"}
     return "\n".join(f"{who.get(m['role'], m['role']):>6}: {m['content']}" for m in t.messages)
+
+
+def trajectory_from_messages(
+    messages: list[dict[str, Any]], task: Task | None = None, traj_id: str = "chat"
+) -> Trajectory:
+    """Rebuild a `Trajectory` from OpenAI-style messages (e.g. a serving log) for the judge.
+
+    Assistant messages become turns (their content is parsed as an action; an assistant message
+    with `tool_calls` and no text is read from the first call). State keys are left empty.
+    """
+    request = next((m.get("content") or "" for m in messages if m.get("role") == "user"), "")
+    task = task or Task(id=traj_id, request=request)
+    turns = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        text = m.get("content") or ""
+        calls = m.get("tool_calls") or []
+        if calls and not _COMPACT.match(text.strip()) and "<tool_call>" not in text:
+            fn = calls[0].get("function", {})
+            text = json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments", {})})
+        turns.append(
+            TurnInfo(
+                turn=len(turns), message=i, action=parse_action(text), exact_key="", abstract_key=""
+            )
+        )
+    return Trajectory(id=traj_id, task=task, profile="", messages=list(messages), turns=turns)

@@ -1,0 +1,285 @@
+"""Independent evaluation: held-out tasks and profiles, scored by the rule judge, never the GRM.
+
+Seed 001 (§4 module 4, §9.5, §10.3) and seed 000 (§6): training reward going up is not the model
+getting better — a policy can overfit its reward model. So evaluation is decoupled from the
+training reward: held-out tasks and profiles the trainer never saw, verdicts from the independent
+rule judge (`kitchen.judge`), and four checks that must hold together (seed 000 §6):
+
+1. **preference win rate** against the SFT policy on the same task, profile and seed, with a
+   bootstrap confidence interval (seed 000: "significantly above 50%");
+2. **clause compliance** per clause, with axiom violations counted separately (the goal is 0);
+3. **personalisation** — for the same tasks, behaviour differs across profiles as their clauses
+   ask: words per message for brief vs detailed diners, small talk before the recommendation for
+   hurried vs relaxed diners, asking for the cuisine on ambiguous requests;
+4. **reward-hacking monitor** — the gap between the GRM's reward and the judge's reward for the
+   same trajectories (computed by the trainer every iteration, see `reward_gap`).
+
+A trajectory's judged score is `success + compliance`, with success ∈ {0, 1} from the world and
+compliance ∈ [0, 1] the weight-averaged share of applicable verdicts that pass. Pairwise: the
+higher score wins, equal scores tie (half a win).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from kitchen.config import StrictModel
+from kitchen.constitution import PersonalConstitution
+from kitchen.judge import judge
+from kitchen.review import SCORE, Review, turn_rewards
+from kitchen.world import Task, Trajectory, asks_cuisine, load_menu, word_count
+
+
+class EvalConfig(StrictModel):
+    """What evaluation plays. Defaults: about 2 minutes for the tiny policy on a CPU."""
+
+    tasks: int = Field(30, ge=1, description="Held-out tasks.")
+    samples: int = Field(
+        2, ge=1, description="Episodes per (task, profile): more narrows the win-rate interval."
+    )
+    seed: int = Field(1234, description="Seeds the task draw, the pairing and the sampling.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the policy.")
+    bootstrap: int = Field(2000, ge=100, description="Bootstrap resamples for intervals.")
+
+
+def eval_jobs(
+    cfg: EvalConfig, constitution: Any = None
+) -> list[tuple[Task, PersonalConstitution, dict[str, Any]]]:
+    """Held-out (task, personal constitution, diner values) jobs: every held-out profile meets
+    tasks that some dish fits for it. Deterministic in `cfg.seed`."""
+    from kitchen import paths
+    from kitchen.constitution import PersonalizationCache, load_constitution
+    from kitchen.profile import load_profiles, redact
+    from kitchen.world import fitting, generate_tasks, load_split
+
+    c = constitution or load_constitution(paths.DEFAULT_CONSTITUTION)
+    held = set(load_split("heldout"))
+    profiles = [p for p in load_profiles(paths.PROFILES) if p.id in held]
+    cache = PersonalizationCache()
+    menu = load_menu()
+    jobs = []
+    for task in generate_tasks(cfg.tasks * 4, seed=cfg.seed, split="heldout"):
+        if len(jobs) == cfg.tasks:
+            break
+        profile = profiles[len(jobs) % len(profiles)]  # every held-out profile in turn
+        pc = cache.get(c, profile)
+        real = {k: v.value for k, v in redact(profile).dimensions.items()}
+        diner = pc.dimensions | {k: v for k, v in real.items() if k in pc.dimensions}
+        if fitting(menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"):
+            jobs.append((task, pc, diner))
+    return jobs
+
+
+def compliance(review: Review, pc: PersonalConstitution) -> float:
+    """Weight-averaged share of applicable verdicts that pass, in [0, 1] (1 when none apply)."""
+    weights = {c.id: c.weight for c in pc.clauses}
+    num = den = 0.0
+    for v in review.verdicts:
+        if v.verdict in SCORE:
+            w = weights.get(v.clause, 1.0)
+            num += w * (v.verdict == "pass")
+            den += w
+    return num / den if den else 1.0
+
+
+def judged_scores(
+    trajs: Sequence[Trajectory],
+    pcs: Sequence[PersonalConstitution],
+    reviews: Sequence[Review] | None = None,
+) -> list[float]:
+    reviews = reviews or [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
+    return [
+        (t.outcome.success if t.outcome else 0) + compliance(r, pc)
+        for t, r, pc in zip(trajs, reviews, pcs, strict=True)
+    ]
+
+
+def bootstrap_interval(
+    values: Sequence[float], n: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
+    """(mean, low, high): percentile bootstrap interval of the mean."""
+    if not values:
+        return 0.0, 0.0, 0.0
+    rng = random.Random(seed)
+    k = len(values)
+    means = sorted(sum(rng.choice(values) for _ in range(k)) / k for _ in range(n))
+    lo, hi = means[int((1 - level) / 2 * n)], means[min(n - 1, int((1 + level) / 2 * n))]
+    return sum(values) / k, lo, hi
+
+
+def win_rate(
+    a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """Pairwise win rate of `a` over `b` (ties count half) with a bootstrap 95% interval."""
+    outcomes = [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b, strict=True)]
+    return bootstrap_interval(outcomes, n=n, seed=seed)
+
+
+class PolicyReport(BaseModel):
+    """How one policy does on the held-out set, judged by rules."""
+
+    episodes: int
+    success: float
+    valid_actions: float = Field(description="Share of assistant turns that parse as actions.")
+    truncated: float
+    compliance: float
+    axiom_violations: int
+    clause_pass: dict[str, float]
+    clause_n: dict[str, int]
+    personalisation: dict[str, float]
+    guard_interceptions: int = 0
+
+
+def policy_report(
+    trajs: Sequence[Trajectory],
+    pcs: Sequence[PersonalConstitution],
+    reviews: Sequence[Review] | None = None,
+) -> PolicyReport:
+    """Judge-based metrics for a set of trajectories."""
+    reviews = reviews or [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
+    turns = [ti for t in trajs for ti in t.turns]
+    passes: dict[str, int] = {}
+    totals: dict[str, int] = {}
+    axioms = {c.id for pc in pcs for c in pc.clauses if c.kind == "axiom"}
+    axiom_violations = 0
+    for r in reviews:
+        for v in r.verdicts:
+            if v.verdict in SCORE:
+                totals[v.clause] = totals.get(v.clause, 0) + 1
+                passes[v.clause] = passes.get(v.clause, 0) + (v.verdict == "pass")
+                axiom_violations += v.verdict == "violate" and v.clause in axioms
+    return PolicyReport(
+        episodes=len(trajs),
+        success=sum(t.outcome.success if t.outcome else 0 for t in trajs) / max(len(trajs), 1),
+        valid_actions=sum(ti.action.kind != "invalid" for ti in turns) / max(len(turns), 1),
+        truncated=sum(ti.truncated for ti in turns) / max(len(turns), 1),
+        compliance=statistics.fmean(compliance(r, pc) for r, pc in zip(reviews, pcs, strict=True))
+        if reviews
+        else 0.0,
+        axiom_violations=axiom_violations,
+        clause_pass={c: passes[c] / totals[c] for c in sorted(totals)},
+        clause_n=dict(sorted(totals.items())),
+        personalisation=personalisation(trajs, pcs),
+    )
+
+
+def personalisation(
+    trajs: Sequence[Trajectory], pcs: Sequence[PersonalConstitution]
+) -> dict[str, float]:
+    """Behaviour by profile group: what a personalised policy changes and a generic one does not.
+
+    - `words/<verbosity>`: mean words per message to the diner, by the diner's verbosity;
+    - `small_talk_first/<pace>`: share of episodes whose first message to the diner neither
+      recommends a dish nor asks for the cuisine, by pace;
+    - `asks_cuisine/ambiguous`: share of ambiguous requests where the agent asked before searching.
+    """
+    menu = load_menu()
+    words: dict[str, list[int]] = {}
+    small: dict[str, list[int]] = {}
+    asked: list[int] = []
+    for t, pc in zip(trajs, pcs, strict=True):
+        says = [ti.action.text for ti in t.turns if ti.action.kind == "say"]
+        words.setdefault(str(pc.dimensions.get("verbosity")), []).extend(map(word_count, says))
+        if says:
+            first = says[0]
+            small.setdefault(str(pc.dimensions.get("pace")), []).append(
+                int(not menu.mentioned(first) and not asks_cuisine(first))
+            )
+        if t.task.ambiguous:
+            first_search = next(
+                (i for i, ti in enumerate(t.turns) if ti.action.tool == "search"), len(t.turns)
+            )
+            asked.append(
+                int(
+                    any(
+                        ti.action.kind == "say" and asks_cuisine(ti.action.text)
+                        for ti in t.turns[:first_search]
+                    )
+                )
+            )
+    out = {f"words/{k}": statistics.fmean(v) for k, v in sorted(words.items()) if v}
+    out |= {f"small_talk_first/{k}": statistics.fmean(v) for k, v in sorted(small.items()) if v}
+    if asked:
+        out["asks_cuisine/ambiguous"] = statistics.fmean(asked)
+    return out
+
+
+def reward_gap(
+    grm_reviews: Sequence[Review],
+    judge_reviews: Sequence[Review],
+    pcs: Sequence[PersonalConstitution],
+) -> float:
+    """Mean over turns of (GRM local reward − judge local reward): > 0 means the GRM is more
+    generous than the truth — the reward-hacking signal to watch during training."""
+    gaps = []
+    for g, j, pc in zip(grm_reviews, judge_reviews, pcs, strict=True):
+        rg, vg, _ = turn_rewards(g, pc)
+        rj, vj, _ = turn_rewards(j, pc)
+        gaps += [a - b for a, b, x, y in zip(rg, rj, vg, vj, strict=True) if x and y]
+    return statistics.fmean(gaps) if gaps else 0.0
+
+
+class EvalReport(BaseModel):
+    """A policy against a baseline on the same held-out episodes."""
+
+    config: EvalConfig
+    policy: PolicyReport
+    baseline: PolicyReport | None = None
+    win_rate: tuple[float, float, float] | None = Field(
+        None, description="(rate, low, high) of the policy over the baseline, 95% bootstrap."
+    )
+    guarded: PolicyReport | None = Field(None, description="The policy behind the axiom guard.")
+
+
+def evaluate(
+    policy: tuple[Any, Any],
+    cfg: EvalConfig | None = None,
+    baseline: tuple[Any, Any] | None = None,
+    *,
+    with_guard: bool = True,
+    rollout_cfg: Any = None,
+) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
+    """Play the held-out set with `policy` (model, tokenizer), and `baseline` on the same seeds.
+
+    Returns the report and the trajectories by name ("policy", "baseline", "guarded") for charts
+    and side-by-side dialogues.
+    """
+    from kitchen.guard import AxiomGuard
+    from kitchen.rollout import RolloutConfig, rollout
+
+    cfg = cfg or EvalConfig()
+    rcfg = (rollout_cfg or RolloutConfig()).model_copy(
+        update={"k": cfg.samples, "temperature": cfg.temperature}
+    )
+    jobs = eval_jobs(cfg)
+    pcs = [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
+    out: dict[str, list[Trajectory]] = {}
+    out["policy"], _ = rollout(*policy, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
+    report = EvalReport(config=cfg, policy=policy_report(out["policy"], pcs))
+    if baseline is not None:
+        out["baseline"], _ = rollout(*baseline, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
+        report.baseline = policy_report(out["baseline"], pcs)
+        report.win_rate = win_rate(
+            judged_scores(out["policy"], pcs),
+            judged_scores(out["baseline"], pcs),
+            n=cfg.bootstrap,
+            seed=cfg.seed,
+        )
+    if with_guard:
+        guards: list[AxiomGuard] = []
+
+        def make(pc: PersonalConstitution) -> AxiomGuard:
+            guards.append(AxiomGuard(pc))
+            return guards[-1]
+
+        out["guarded"], _ = rollout(
+            *policy, jobs, rcfg, seed=cfg.seed, group_prefix="eval:", guard=make
+        )
+        report.guarded = policy_report(out["guarded"], pcs)
+        report.guarded.guard_interceptions = sum(len(g.log) for g in guards)
+    return report, out

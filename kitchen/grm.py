@@ -1,0 +1,578 @@
+"""The generative reward model (GRM): a model that reviews a trajectory clause by clause.
+
+Seed 001 (§5.2) and seed 000 (step 4): instead of a scalar score, a generative model reads the
+user's personal constitution and the whole trajectory, writes a critique, then concludes with a
+structured verdict per clause and per step. That structure is the process reward (`kitchen.review`
+turns it into numbers), and because the rules are *input*, one GRM serves every user's
+constitution without retraining.
+
+The review language (what the GRM is trained to write; `parse_review` reads it):
+
+    critique:
+    t2 A1: Tofu Satay contains peanut
+    t2 T1: Tofu Satay recommended without an allergen check
+    verdicts:
+    t0: A2+ T3+
+    t1:
+    t2: A1- A2+ A3+ A4+ T1- T3+
+    overall: violate
+
+One line per assistant turn lists the clauses that apply (`+` pass, `-` violate); an active clause
+not listed on a present line is n/a. A turn whose line is missing or unreadable is *masked* (no
+signal), never guessed — `parse_review` never raises.
+
+Inference options from the method (seed 000 §7 FAQ 2, §8 "cost"): `samples` reviews with a
+majority vote per (turn, clause); a `cascade` — clauses listed there are decided by the rule judge
+(cheap, exact) and the GRM is asked only for the rest, or not at all when nothing remains;
+temperature. One generation reviews a whole trajectory (every turn, every clause); batches of
+trajectories are generated together.
+
+Hard to fool: the policy's text reaches the GRM's prompt. Untrusted text is escaped so it cannot
+forge the prompt's delimiters (`<|` and `|>` are broken apart, section headers are indented); only
+the GRM's *generated* text is parsed, so a fake verdict line inside an agent message cannot become
+a verdict; and such attempts — fake verdict lines, cited clause ids, "ignore the rules", delimiter
+look-alikes, review-shaped answers — are detected and recorded in `Review.flags`.
+
+Truncation (a trajectory longer than the GRM's context): (1) tool outputs are cut to the dish names
+they contain, oldest first; (2) long messages keep their first and last words with "[...]" and
+keep their word-count annotation; (3) if still too long, turns are reviewed in windows — each
+window's prompt holds the turns it judges in full and the earlier turns as one-line action
+summaries. Every turn is judged in exactly one window; a turn is never dropped.
+
+Departures from the seeds:
+1. Assistant messages are annotated with their word count in the prompt: counting is a weak spot
+   of small (and large) language models, and a length rule should not hinge on it.
+2. `clause_text="compact"` renders clauses as ids with their parameters (e.g.
+   `T3(max_words=12)`), for the tiny GRM whose context is short; "full" renders their text, for
+   real chat models.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
+
+from kitchen.config import StrictModel
+from kitchen.constitution import PersonalConstitution
+from kitchen.review import ClauseVerdict, Review, overall_from
+from kitchen.world import Menu, Trajectory, load_menu, word_count
+
+if TYPE_CHECKING:
+    import torch
+
+SYSTEM = (
+    "You review a food-ordering agent. For every agent turn, check each clause of the "
+    "diner's constitution. Write the critique, then the verdicts, then overall."
+)
+DELIMS = ("<|constitution|>", "<|/constitution|>", "<|trajectory|>", "<|/trajectory|>")
+
+_VERDICT_LINE = re.compile(r"^t(\d+):(.*)$")
+_ENTRY = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]*)([+-])$")
+_WHY_LINE = re.compile(r"^t(\d+)\s+([A-Za-z][A-Za-z0-9_.-]*):\s*(.*)$")
+_OVERALL = re.compile(r"^overall:\s*(pass|violate)\s*$")
+
+INJECTION_PATTERNS: dict[str, re.Pattern] = {
+    "fake verdicts": re.compile(
+        r"\b[AT]\d+\s*(?:[+-](?=\s|$)|[:=]\s*(?:pass|violate|ok)\b)", re.IGNORECASE
+    ),
+    "cited clause": re.compile(r"\[[AT]\d+\]"),
+    "instruction to the reviewer": re.compile(
+        r"\b(ignore|disregard|forget)\b.{0,30}\b(rules?|instructions?|constitution|clauses?)\b|"
+        r"\beverything (passes|is fine)\b|\b(mark|rate) (this|everything|all)\b.{0,20}\bpass",
+        re.IGNORECASE,
+    ),
+    "delimiter look-alike": re.compile(
+        r"<\s*\|.*?\|\s*>|^\s*(critique|verdicts|overall)\s*:", re.IGNORECASE | re.MULTILINE
+    ),
+    "review-shaped answer": re.compile(r"^\s*t\d+\s*:", re.MULTILINE),
+}
+
+
+class GRMConfig(StrictModel):
+    """How the GRM reviews. Defaults suit the shipped tiny GRM on a CPU."""
+
+    model: str = Field("data/models/grm-tiny", description="GRM checkpoint folder or HF name.")
+    adapter: str | None = Field(
+        None, description="On one GPU: the name of the GRM's LoRA adapter on the policy's base."
+    )
+    samples: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Reviews per trajectory; >1 = majority vote "
+        "(seed 000 FAQ 2: vote to tame noisy process rewards). Default 1.",
+    )
+    temperature: float = Field(
+        0.0, ge=0, le=2, description="0 = greedy. Voting needs > 0; 0.7 is a good start."
+    )
+    cascade: list[str] = Field(
+        default_factory=list,
+        description="Clause ids the rule judge decides (cheap first, GRM "
+        "for the rest). Empty: the GRM decides everything.",
+    )
+    clause_text: Literal["compact", "full"] = Field(
+        "compact", description="compact: ids with parameters (tiny GRM); full: clause texts."
+    )
+    max_prompt_tokens: int = Field(900, ge=64, description="Context budget for the prompt.")
+    max_new_tokens: int = Field(200, ge=8, description="Budget for the generated review.")
+    batch_size: int = Field(16, ge=1, description="Trajectories generated together.")
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt
+
+
+def sanitize(text: str) -> str:
+    """Neutralise untrusted text: no prompt delimiters, no section headers at line starts."""
+    text = text.replace("<|", "< |").replace("|>", "| >")
+    return re.sub(
+        r"^(\s*)(critique|verdicts|overall)(\s*:)",
+        r"\1 \2\3",
+        text,
+        flags=re.IGNORECASE | re.MULTILINE,
+    )
+
+
+def injection_flags(traj: Trajectory) -> list[str]:
+    """Attempts in the agent's own text to steer its reviewer, as `t<turn>: <kind>`."""
+    flags = []
+    for info in traj.turns:
+        text = traj.messages[info.message].get("content") or ""
+        for kind, pattern in INJECTION_PATTERNS.items():
+            if pattern.search(text):
+                flags.append(f"t{info.turn}: {kind}")
+    return flags
+
+
+def render_constitution(pc: PersonalConstitution, mode: Literal["compact", "full"]) -> str:
+    allergies = ",".join(pc.dimensions.get("allergies") or []) or "none"
+    if mode == "full":
+        lines = [f"[{c.id}] {c.text}" for c in pc.clauses]
+        return f"diner allergies: {allergies}\n" + "\n".join(lines)
+    parts = []
+    for c in pc.clauses:
+        params = ",".join(f"{k}={v}" for k, v in c.params.items())
+        parts.append(f"{c.id}({params})" if params else c.id)
+    return f"allergies={allergies} clauses: " + " ".join(parts)
+
+
+def _tool_summary(text: str, menu: Menu) -> str:
+    names = [d.name for d in menu.mentioned(text)]
+    return "returned " + ", ".join(names) if names else text[:60]
+
+
+def _clip(text: str, keep: int) -> str:
+    words = text.split()
+    if len(words) <= 2 * keep:
+        return text
+    return " ".join(words[:keep]) + " [...] " + " ".join(words[-keep:])
+
+
+def render_turns(
+    traj: Trajectory,
+    *,
+    first: int = 0,
+    last: int | None = None,
+    tool_mode: Literal["full", "names"] = "full",
+    clip: int | None = None,
+    menu: Menu | None = None,
+) -> str:
+    """The trajectory as numbered lines; turns before `first` become one-line action summaries."""
+    menu = menu or load_menu()
+    last = len(traj.turns) - 1 if last is None else last
+    lines = [f"request: {sanitize(traj.messages[1]['content'])}"]
+    for info in traj.turns:
+        if info.turn > last:
+            break
+        msg = traj.messages[info.message]
+        text = sanitize(msg.get("content") or "")
+        if info.turn < first:
+            lines.append(f"t{info.turn} agent: {_clip(text, 4)}")
+            continue
+        words = word_count(text)
+        body = _clip(text, clip) if clip else text
+        tag = f" ({words} words)" if info.action.kind == "say" else ""
+        lines.append(f"t{info.turn} agent{tag}: {body}")
+        if info.message + 1 < len(traj.messages):
+            obs = traj.messages[info.message + 1]
+            who = "tool" if obs["role"] == "tool" else "diner"
+            content = sanitize(obs.get("content") or "")
+            if who == "tool" and tool_mode == "names":
+                content = _tool_summary(content, menu)
+            lines.append(f"t{info.turn} {who}: {_clip(content, clip) if clip else content}")
+    return "\n".join(lines)
+
+
+def build_prompt(
+    traj: Trajectory,
+    pc: PersonalConstitution,
+    cfg: GRMConfig,
+    *,
+    first: int = 0,
+    last: int | None = None,
+    tool_mode: Literal["full", "names"] = "full",
+    clip: int | None = None,
+) -> list[dict[str, str]]:
+    """Chat messages (system, user) asking for a review of turns `first..last`."""
+    body = (
+        f"{DELIMS[0]}\n{render_constitution(pc, cfg.clause_text)}\n{DELIMS[1]}\n"
+        f"{DELIMS[2]}\n{render_turns(traj, first=first, last=last, tool_mode=tool_mode, clip=clip)}"
+        f"\n{DELIMS[3]}\nreview turns t{first}-t{len(traj.turns) - 1 if last is None else last}"
+    )
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": body}]
+
+
+def plan_windows(
+    traj: Trajectory, pc: PersonalConstitution, cfg: GRMConfig, count_tokens: Any
+) -> list[tuple[int, int, dict[str, Any]]]:
+    """The truncation rule: [(first, last, render options)] covering every turn exactly once."""
+    n = len(traj.turns)
+    if n == 0:
+        return []
+    for opts in ({"tool_mode": "full"}, {"tool_mode": "names"}, {"tool_mode": "names", "clip": 12}):
+        if count_tokens(build_prompt(traj, pc, cfg, **opts)) <= cfg.max_prompt_tokens:
+            return [(0, n - 1, opts)]
+    opts = {"tool_mode": "names", "clip": 12}
+    windows, first = [], 0
+    while first < n:
+        last = first
+        while (
+            last + 1 < n
+            and count_tokens(build_prompt(traj, pc, cfg, first=first, last=last + 1, **opts))
+            <= cfg.max_prompt_tokens
+        ):
+            last += 1
+        windows.append((first, last, opts))  # a single turn that does not fit is still judged
+        first = last + 1
+    return windows
+
+
+# --------------------------------------------------------------------------------------------
+# The review language
+
+
+def format_review(review: Review) -> str:
+    """A `Review` as the text the GRM is trained to write."""
+    lines = ["critique:"]
+    why = [v for v in review.verdicts if v.verdict == "violate"]
+    lines += [f"t{v.turn} {v.clause}: {v.reason}" for v in why] or ["none"]
+    lines.append("verdicts:")
+    by_turn: dict[int, list[str]] = {t: [] for t in range(review.turns)}
+    for v in review.verdicts:
+        if v.verdict in ("pass", "violate"):
+            by_turn[v.turn].append(f"{v.clause}{'+' if v.verdict == 'pass' else '-'}")
+    lines += [f"t{t}: {' '.join(entries)}".rstrip() for t, entries in by_turn.items()]
+    lines.append(f"overall: {review.overall or overall_from(review.verdicts)}")
+    return "\n".join(lines)
+
+
+def parse_review(
+    text: str,
+    *,
+    turns: Sequence[int],
+    clauses: Sequence[str],
+    trajectory: str = "",
+    personal_version: str = "",
+) -> Review:
+    """Read generated review text into a `Review`. Never raises.
+
+    Turns without a readable `t<k>:` line are masked (verdict None) for every clause; entries
+    naming unknown clauses are ignored; an active clause absent from a present line is n/a.
+    """
+    clauses = list(clauses)
+    known = set(clauses)
+    lines: dict[int, dict[str, str]] = {}
+    reasons: dict[tuple[int, str], str] = {}
+    overall = None
+    section = None
+    for raw in (text or "").splitlines():
+        line = raw.strip()
+        if line in ("critique:", "verdicts:"):
+            section = line[:-1]
+            continue
+        m = _OVERALL.match(line)
+        if m:
+            overall = m.group(1)
+            continue
+        if section == "critique":
+            m = _WHY_LINE.match(line)
+            if m:
+                reasons[(int(m.group(1)), m.group(2))] = m.group(3).strip()[:200]
+        elif section == "verdicts":
+            m = _VERDICT_LINE.match(line)
+            if not m:
+                continue
+            entries: dict[str, str] = {}
+            ok = True
+            for tok in m.group(2).split():
+                e = _ENTRY.match(tok)
+                if e is None:
+                    ok = False
+                    break
+                if e.group(1) in known:
+                    entries[e.group(1)] = "pass" if e.group(2) == "+" else "violate"
+            t = int(m.group(1))
+            if ok and t not in lines:
+                lines[t] = entries
+    verdicts = []
+    for t in turns:
+        for c in clauses:
+            if t not in lines:
+                verdicts.append(ClauseVerdict(turn=t, clause=c, verdict=None))
+            else:
+                v = lines[t].get(c, "n/a")
+                verdicts.append(
+                    ClauseVerdict(turn=t, clause=c, verdict=v, reason=reasons.get((t, c), ""))
+                )
+    produced = sum(v.verdict is not None for v in verdicts)
+    return Review(
+        trajectory=trajectory,
+        personal_version=personal_version,
+        source="grm",
+        turns=max(turns, default=-1) + 1,
+        clauses=clauses,
+        verdicts=verdicts,
+        overall=overall,
+        parsed_fraction=produced / len(verdicts) if verdicts else 1.0,
+    )
+
+
+def vote(reviews: Sequence[Review]) -> Review:
+    """Majority verdict per (turn, clause) over non-masked samples; a tie is masked."""
+    first = reviews[0]
+    out = []
+    for i, v in enumerate(first.verdicts):
+        counts = Counter(
+            r.verdicts[i].verdict for r in reviews if r.verdicts[i].verdict is not None
+        )
+        top = counts.most_common(2)
+        winner = None
+        if top and (len(top) == 1 or top[0][1] > top[1][1]):
+            winner = top[0][0]
+        reason = next(
+            (
+                r.verdicts[i].reason
+                for r in reviews
+                if r.verdicts[i].verdict == winner and r.verdicts[i].reason
+            ),
+            "",
+        )
+        out.append(ClauseVerdict(turn=v.turn, clause=v.clause, verdict=winner, reason=reason))
+    produced = sum(v.verdict is not None for v in out)
+    return first.model_copy(
+        update={
+            "verdicts": out,
+            "overall": overall_from(out) if produced else None,
+            "parsed_fraction": produced / len(out) if out else 1.0,
+        }
+    )
+
+
+def merge_cascade(grm_review: Review | None, rule_review: Review, cascade: Sequence[str]) -> Review:
+    """Rule verdicts for the `cascade` clauses, GRM verdicts for the rest."""
+    if grm_review is None:
+        return rule_review.model_copy(update={"source": "cascade"})
+    take = set(cascade)
+    rules = rule_review.table()
+    out = [
+        ClauseVerdict(
+            turn=v.turn,
+            clause=v.clause,
+            verdict=rules[(v.turn, v.clause)],
+            reason=next(
+                (
+                    r.reason
+                    for r in rule_review.verdicts
+                    if r.turn == v.turn and r.clause == v.clause
+                ),
+                "",
+            ),
+        )
+        if v.clause in take
+        else v
+        for v in grm_review.verdicts
+    ]
+    produced = sum(v.verdict is not None for v in out)
+    return grm_review.model_copy(
+        update={
+            "verdicts": out,
+            "source": "cascade",
+            "overall": overall_from(out),
+            "parsed_fraction": produced / len(out) if out else 1.0,
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+
+
+class GRM:
+    """A generative reward model: `review(trajectories, personal constitutions) -> [Review]`."""
+
+    def __init__(
+        self, model: Any, tokenizer: Any, cfg: GRMConfig | None = None, menu: Menu | None = None
+    ):
+        self.model, self.tok = model, tokenizer
+        self.cfg = cfg or GRMConfig()
+        self.menu = menu or load_menu()
+        self.stats = Counter()
+
+    @classmethod
+    def load(cls, cfg: GRMConfig | None = None) -> GRM:
+        """Load the GRM checkpoint named by `cfg.model` (the shipped tiny GRM by default)."""
+        from kitchen import paths
+        from kitchen.models import ModelSpec, load_model
+
+        cfg = cfg or GRMConfig()
+        path = cfg.model
+        if not path.startswith("/") and (paths.HOME / path).exists():
+            path = str(paths.HOME / path)
+        model, tok = load_model(ModelSpec(path=path))
+        model.eval()
+        return cls(model, tok, cfg)
+
+    def _count(self, messages: list[dict[str, str]]) -> int:
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def review(
+        self, trajectories: Sequence[Trajectory], pcs: Sequence[PersonalConstitution]
+    ) -> list[Review]:
+        """One review per trajectory: cascade, prompt(s), batched generation, parse, vote."""
+        from kitchen.judge import judge
+
+        cfg = self.cfg
+        jobs: list[tuple[int, int, int, list[dict[str, str]]]] = []  # (traj, first, last, prompt)
+        partial: list[list[Review]] = [[] for _ in trajectories]
+        rule_reviews: list[Review | None] = [None] * len(trajectories)
+        for i, (traj, pc) in enumerate(zip(trajectories, pcs, strict=True)):
+            if cfg.cascade:
+                rule_reviews[i] = judge(traj, pc, self.menu)
+                if set(pc.ids) <= set(cfg.cascade):
+                    continue  # nothing left for the GRM
+            for first, last, opts in plan_windows(traj, pc, cfg, self._count):
+                jobs.append(
+                    (i, first, last, build_prompt(traj, pc, cfg, first=first, last=last, **opts))
+                )
+        texts = self.generate([j[3] for j in jobs])
+        for (i, first, last, _), samples in zip(jobs, texts, strict=True):
+            traj, pc = trajectories[i], pcs[i]
+            parsed = [
+                parse_review(
+                    s,
+                    turns=range(first, last + 1),
+                    clauses=pc.ids,
+                    trajectory=traj.id,
+                    personal_version=pc.version,
+                )
+                for s in samples
+            ]
+            partial[i].append(vote(parsed) if len(parsed) > 1 else parsed[0])
+            self.stats["generations"] += len(samples)
+            self.stats["unparsed_samples"] += sum(p.parsed_fraction < 1 for p in parsed)
+        out = []
+        for i, (traj, pc) in enumerate(zip(trajectories, pcs, strict=True)):
+            verdicts = [v for r in partial[i] for v in r.verdicts]
+            grm_review = None
+            if partial[i]:
+                produced = sum(v.verdict is not None for v in verdicts)
+                overall = (
+                    overall_from(verdicts)
+                    if all(r.overall for r in partial[i]) and produced == len(verdicts)
+                    else partial[i][-1].overall
+                )
+                grm_review = Review(
+                    trajectory=traj.id,
+                    personal_version=pc.version,
+                    source="grm",
+                    turns=len(traj.turns),
+                    clauses=pc.ids,
+                    verdicts=verdicts,
+                    overall=overall,
+                    parsed_fraction=produced / len(verdicts) if verdicts else 1.0,
+                )
+            review = (
+                merge_cascade(grm_review, rule_reviews[i], cfg.cascade)
+                if cfg.cascade
+                else grm_review
+            )
+            review.flags = injection_flags(traj)
+            self.stats["reviews"] += 1
+            self.stats["flagged"] += bool(review.flags)
+            self.stats["partial"] += review.parsed_fraction < 1
+            out.append(review)
+        return out
+
+    def generate(self, prompts: Sequence[list[dict[str, str]]]) -> list[list[str]]:
+        """`cfg.samples` completions per chat prompt, generated in batches (left padding)."""
+        import torch
+
+        cfg, tok, model = self.cfg, self.tok, self.model
+        out: list[list[str]] = []
+        sampling = cfg.samples > 1 or cfg.temperature > 0
+        for start in range(0, len(prompts), cfg.batch_size):
+            chunk = prompts[start : start + cfg.batch_size]
+            texts = [
+                tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                for p in chunk
+            ]
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(
+                model.device
+            )
+            kwargs: dict[str, Any] = {
+                "max_new_tokens": cfg.max_new_tokens,
+                "num_return_sequences": cfg.samples,
+                "pad_token_id": tok.pad_token_id,
+                "eos_token_id": tok.eos_token_id,
+            }
+            if sampling:
+                kwargs |= {
+                    "do_sample": True,
+                    "temperature": max(cfg.temperature, 1e-3),
+                    "top_p": 1.0,
+                    "top_k": 0,
+                }
+            else:
+                kwargs |= {"do_sample": False}
+            with torch.no_grad(), _adapter(model, cfg.adapter):
+                seqs = model.generate(**enc, **kwargs)
+            new = seqs[:, enc["input_ids"].shape[1] :]  # [B * samples, new]
+            decoded = tok.batch_decode(new, skip_special_tokens=True)
+            out += [decoded[k * cfg.samples : (k + 1) * cfg.samples] for k in range(len(chunk))]
+        return out
+
+
+class _adapter:
+    """Run with a named LoRA adapter active (the GRM on the policy's base), then restore."""
+
+    def __init__(self, model: Any, name: str | None):
+        self.model, self.name = model, name
+
+    def __enter__(self) -> None:
+        if self.name:
+            self.prev = getattr(self.model, "active_adapter", None)
+            self.model.set_adapter(self.name)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.name and self.prev:
+            self.model.set_adapter(self.prev)
+
+
+def verdict_tensor(reviews: Sequence[Review], clauses: Sequence[str]) -> torch.Tensor:
+    """[N, T, C] codes: 1 pass, -1 violate, 0 n/a, NaN masked (for charts and agreement)."""
+    import torch
+
+    t_max = max((r.turns for r in reviews), default=0)
+    out = torch.full((len(reviews), t_max, len(clauses)), float("nan"))
+    index = {c: k for k, c in enumerate(clauses)}
+    code = {"pass": 1.0, "violate": -1.0, "n/a": 0.0}
+    for n, r in enumerate(reviews):
+        for v in r.verdicts:
+            if v.clause in index and v.verdict is not None:
+                out[n, v.turn, index[v.clause]] = code[v.verdict]
+    return out
