@@ -23,10 +23,10 @@ $(STAMP):
 	else \
 	  echo "no CUDA: installing the CPU build $(TORCH_CPU)"; $(PY) -m pip install -q $(TORCH_CPU) 2>&1 | { grep -v '^WARNING: Location' || true; }; \
 	fi
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,qlora,trl]' 2>&1 | { grep -v '^WARNING: Location' || true; }
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,qlora]' 2>&1 | { grep -v '^WARNING: Location' || true; }
 	@rm -f $(VENV)/.installed-*; touch $@
 
-install: $(STAMP) ## create .venv and install the kit with its dev, qlora and trl extras
+install: $(STAMP) ## create .venv and install the kit with its dev and qlora extras
 
 demo: $(STAMP) ## set up, then run the main job end to end
 	$(VENV)/bin/kitchen demo
@@ -54,6 +54,8 @@ check-notebooks: $(STAMP) ## marimo check on every notebook (warnings fail too)
 schema: $(STAMP) ## regenerate the JSON schemas in data/schema/ (editor completion for YAML)
 	$(VENV)/bin/kitchen constitution schema > data/schema/constitution.schema.json
 	$(VENV)/bin/kitchen constitution schema --kind profile > data/schema/profile.schema.json
+	$(VENV)/bin/kitchen schema recipe > data/schema/recipe.schema.json
+	$(VENV)/bin/kitchen schema sft-recipe > data/schema/sft_recipe.schema.json
 
 clean: ## remove the virtual environment, caches and run outputs of the tests
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

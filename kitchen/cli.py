@@ -78,6 +78,41 @@ def _world_sft_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from kitchen.sft import sft_main
+
+    return sft_main(args.recipe, resume=args.resume)
+
+
+def _grm_train(args: argparse.Namespace) -> int:
+    from kitchen.calibrate import grm_train_main
+
+    return grm_train_main(args.recipe, resume=args.resume)
+
+
+def _grm_calibrate(args: argparse.Namespace) -> int:
+    from kitchen.calibrate import grm_calibrate_main
+
+    return grm_calibrate_main(grm=args.grm, n=args.n, votes=args.votes, labels=args.labels,
+                              out=args.out)
+
+
+def _cook(args: argparse.Namespace) -> int:
+    from kitchen.train import cook_main
+
+    return cook_main(args.recipe, resume=args.resume)
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from kitchen import constitution, sft, train
+
+    make = {"constitution": lambda: constitution.schema("constitution"),
+            "profile": lambda: constitution.schema("profile"),
+            "sft-recipe": sft.schema, "recipe": train.recipe_schema}[args.kind]
+    print(json.dumps(make(), indent=2))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kitchen.walkthrough import constitution_walkthrough
 
@@ -116,6 +151,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", type=int, default=200, help="held-out dialogues (default 200)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_world_sft_data)
+
+    p = sub.add_parser("sft", help="supervised fine-tuning from a recipe (the cold start)")
+    p.add_argument("recipe", metavar="RECIPE", help="SFT recipe YAML, e.g. recipes/sft_tiny.yaml")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.set_defaults(func=_sft)
+
+    grm = sub.add_parser("grm", help="train and calibrate the generative reward model")
+    gsub = grm.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = gsub.add_parser("train", help="build judge-labelled review data and train the GRM")
+    p.add_argument("recipe", metavar="RECIPE", help="GRM recipe YAML, e.g. recipes/grm_tiny.yaml")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.set_defaults(func=_grm_train)
+    p = gsub.add_parser("calibrate", help="GRM vs judge (and human labels): the calibration report")
+    p.add_argument("--grm", default=None, help="GRM checkpoint (default: the shipped tiny GRM)")
+    p.add_argument("--n", type=int, default=200, help="held-out trajectories (default 200)")
+    p.add_argument("--votes", type=int, default=5, help="samples for the voting comparison")
+    p.add_argument("--labels", default=None, help="human labels folder (default data/labels)")
+    p.add_argument("--out", default=None, help="also write the report as JSON here")
+    p.set_defaults(func=_grm_calibrate)
+
+    p = sub.add_parser("cook", help="run a training recipe: rollouts, GRM, buffer, MAPO, eval")
+    p.add_argument("recipe", nargs="?", metavar="RECIPE", help="recipe YAML (recipes/*.yaml)")
+    p.add_argument("--resume", metavar="RUN", default=None,
+                   help="continue the run in this folder (runs/<name>) from its last checkpoint")
+    p.set_defaults(func=_cook)
+
+    p = sub.add_parser("schema", help="print a JSON schema (for editor completion of YAML)")
+    p.add_argument("kind", choices=["constitution", "profile", "recipe", "sft-recipe"])
+    p.set_defaults(func=_schema)
 
     p = sub.add_parser("demo", help="the main job, end to end")
     p.set_defaults(func=_demo)

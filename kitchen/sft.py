@@ -1,0 +1,588 @@
+"""Supervised fine-tuning (the cold start): teach a policy the concierge dialogues before RL.
+
+`kitchen sft RECIPE` reads a declarative YAML recipe (`SFTRecipe`) and trains with TRL's
+`SFTTrainer` on chat data — JSONL rows of `{"messages": [{"role": ..., "content": ...}, ...]}` —
+with **assistant-only loss**: only the assistant's tokens (its content and its `<|im_end|>`) are
+predicted; system, user and tool tokens are context. That is what a policy must learn (what to say
+and when to stop), not what the diner or the tools say.
+
+Two starting points:
+
+- `model.tiny`: build everything here. A tokenizer is trained on the training dialogues (rendered
+  in ChatML, `kitchen.models.render_chat`), then a random-initialised Qwen2 of `TinyModelConfig`
+  is trained in full. This is how the shipped tiny policy is made.
+- `model.base`: any Hugging Face causal LM (`ModelSpec`), usually with `lora:` (bf16 LoRA) and
+  `quantization: nf4` (QLoRA) on one GPU.
+
+What a run writes into `output_dir` (relative paths go under the runs folder, `runs/` or
+`$KITCHEN_RUNS`):
+
+    recipe.yaml        the resolved recipe (absolute paths, every default filled in)
+    checkpoint-N/      HF checkpoints every `save_every` steps (safetensors, optimiser, RNG state),
+                       the last `keep_checkpoints` kept; `resume=True` continues from the newest
+    final/             the model (or the LoRA adapter) + tokenizer + recipe.yaml, in HF format:
+                       `load_model(ModelSpec(path=".../final"))` loads it
+    log.jsonl          the trainer's log: train loss, learning rate, eval loss per step
+
+The progress bar, the learning-rate schedule (linear warmup then cosine/linear decay), periodic
+evaluation on the held-out JSONL (also once before the first step, so the report shows where the
+loss started), checkpointing and resumption are the `transformers.Trainer` machinery TRL builds on.
+
+Departures and choices:
+1. Only `role` and `content` of each message are kept: the tiny chat template renders `content`
+   (which always holds the raw action text) and ignores `tool_calls`, and mixed nested
+   `tool_calls` would not fit one Arrow schema. Real models' own templates see the same text.
+2. With a quantised base on CPU, TRL's cast of the LoRA weights to bf16 (the QLoRA paper's
+   recommendation for GPUs) is undone: CPU bf16 is slow, and bf16 weights round small Adam updates
+   away. On GPU TRL's choice stands.
+3. A fresh run refuses an `output_dir` that already holds checkpoints, and a resumed run refuses a
+   changed `model` section: either would silently mix two runs.
+4. `lr: null` picks the learning rate by what is trained: 3e-3 for a tiny model from scratch (a
+   2M-parameter model tolerates a large step), 2e-4 for LoRA (the QLoRA paper), 2e-5 for full
+   fine-tuning of a pretrained model.
+5. Assistant-only loss needs `{% generation %}` markers. The tiny template has them; for a base
+   model without them TRL swaps in a marked copy of the templates it knows (Qwen, Llama, Gemma,
+   …) and refuses others, which becomes a `KitchenError` saying what to give instead. We chose
+   this over a fallback to full-sequence loss, which would silently train on the diner's turns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import Field, model_validator
+
+from kitchen import paths
+from kitchen.config import KitchenError, Located, Problem, StrictModel, read_yaml, validate_doc
+from kitchen.files import atomic_write_text, write_jsonl
+from kitchen.models import (
+    ROLES,
+    ModelSpec,
+    TinyModelConfig,
+    adapter_names,
+    build_tiny_model,
+    find_checkpoint,
+    load_model,
+    render_chat,
+    resolve_device,
+    save_adapter,
+    swap_folder,
+    train_tokenizer,
+)
+
+# ----------------------------------------------------------------------------------------------
+# The recipe
+
+
+class TokenizerSettings(StrictModel):
+    """How the tiny model's tokenizer is trained (byte-level BPE on the training dialogues)."""
+
+    vocab_size: int = Field(
+        2048,
+        ge=512,
+        le=65536,
+        description="Vocabulary size. 2048: the concierge world's words "
+        "and action syntax fit with room to spare; a larger vocabulary mostly grows the embedding.",
+    )
+    min_frequency: int = Field(
+        2, ge=1, description="A merge must occur this often to be learnt. 2 skips one-off strings."
+    )
+
+
+class ModelSource(StrictModel):
+    """Where the model comes from: `tiny` (built here) or `base` (a Hugging Face checkpoint)."""
+
+    tiny: TinyModelConfig | None = Field(
+        None,
+        description="Build a tokenizer and a random-initialised Qwen2 of this shape and "
+        "train it in full (the cold start).",
+    )
+    tokenizer: TokenizerSettings | None = Field(
+        None, description="Tokenizer training settings for `tiny` (defaults if omitted)."
+    )
+    base: ModelSpec | None = Field(
+        None,
+        description="Fine-tune this Hugging Face causal LM: LoRA with `lora:`, QLoRA with "
+        "`quantization: nf4` too, full fine-tuning with neither.",
+    )
+    device: Literal["auto", "cpu", "cuda"] | None = Field(
+        None,
+        description="Where a tiny model trains (default auto: GPU if present). A base "
+        "model uses base.device instead.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        if (self.tiny is None) == (self.base is None):
+            raise ValueError(
+                "give exactly one of `tiny:` (build a model here) or `base:` (a "
+                "Hugging Face checkpoint)"
+            )
+        if self.base is not None and self.tokenizer is not None:
+            raise ValueError("`tokenizer:` applies to `tiny:` only; a base model brings its own")
+        if self.base is not None and self.device is not None:
+            raise ValueError("`device:` applies to `tiny:` only; set base.device instead")
+        if self.base is not None and self.base.quantization != "none" and self.base.lora is None:
+            raise ValueError("a quantised base cannot be trained in full; add base.lora (QLoRA)")
+        return self
+
+
+class SFTData(StrictModel):
+    """Chat data: JSONL files, one `{"messages": [...]}` dialogue per line."""
+
+    train: str = Field(
+        description="Training dialogues. Relative paths are looked up in the "
+        "current folder, then in the kit's folder."
+    )
+    eval: str | None = Field(
+        None,
+        description="Held-out dialogues for periodic evaluation. "
+        "Default none: no evaluation (not recommended).",
+    )
+    max_train: int | None = Field(
+        None,
+        ge=1,
+        description="Use only the first N training dialogues (quick runs). Default: all.",
+    )
+    max_eval: int | None = Field(
+        256,
+        ge=1,
+        description="Evaluate on the first N held-out "
+        "dialogues. 256 keeps an evaluation to seconds on CPU.",
+    )
+
+
+class SFTRecipe(StrictModel):
+    """A supervised fine-tuning run, end to end. `kitchen sft RECIPE` runs one."""
+
+    output_dir: str = Field(
+        description="Where checkpoints, final/ and the log go. Relative "
+        "paths are under the runs folder (runs/, or $KITCHEN_RUNS)."
+    )
+    seed: int = Field(
+        0, description="Seeds model init, data order and dropout: same seed, same run."
+    )
+    model: ModelSource
+    data: SFTData
+    epochs: float = Field(
+        3.0,
+        gt=0,
+        description="Passes over the training data. 3: a starting point for the tiny "
+        "policy; watch the held-out loss and tune.",
+    )
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Stop after this many optimiser steps "
+        "(overrides epochs). Default: run all epochs.",
+    )
+    batch_size: int = Field(16, ge=1, description="Dialogues per device step.")
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        description="Steps accumulated per optimiser step "
+        "(effective batch = batch_size × grad_accum).",
+    )
+    lr: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Peak learning rate. Default null: "
+        "3e-3 tiny from scratch, 2e-4 LoRA, 2e-5 full fine-tuning.",
+    )
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup: cosine (default; smooth end), linear, constant."
+    )
+    warmup: float = Field(
+        0.05,
+        ge=0,
+        description="Linear warmup: a fraction of all steps if "
+        "below 1, else a number of steps. 5% keeps Adam's early steps small.",
+    )
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    max_length: int = Field(
+        1024,
+        ge=16,
+        description="Dialogues are cut to this many tokens "
+        "(keeping the start). Concierge dialogues run ~300.",
+    )
+    group_by_length: bool = Field(
+        False,
+        description="Batch dialogues of similar length together (still shuffled in groups): "
+        "about half the padding, so about twice the speed on CPU for dialogues of mixed length. "
+        "Off by default: batches are then less random.",
+    )
+    eval_every: int = Field(100, ge=1, description="Evaluate every N optimiser steps.")
+    save_every: int = Field(200, ge=1, description="Checkpoint every N optimiser steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    log_every: int = Field(10, ge=1, description="Log loss and learning rate every N steps.")
+
+    @model_validator(mode="after")
+    def _fits(self) -> SFTRecipe:
+        tiny = self.model.tiny
+        if tiny is not None and self.max_length > tiny.max_positions:
+            raise ValueError(
+                f"max_length {self.max_length} exceeds model.tiny.max_positions "
+                f"{tiny.max_positions}; lower one or raise the other"
+            )
+        return self
+
+    def learning_rate(self) -> float:
+        """The peak learning rate, `lr` or its default for what is trained (departure 4)."""
+        if self.lr is not None:
+            return self.lr
+        if self.model.tiny is not None:
+            return 3e-3
+        return 2e-4 if self.model.base.lora is not None else 2e-5
+
+
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+def schema() -> dict[str, Any]:
+    """JSON schema of SFT recipes (for editor completion of recipes/*.yaml)."""
+    s = SFTRecipe.model_json_schema(by_alias=True)
+    s["title"] = "kitchen sft recipe"
+    return s
+
+
+# ----------------------------------------------------------------------------------------------
+# Paths and data
+
+
+def _find_input(path: str) -> Path | None:
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p if p.is_file() else None
+    for root in (Path.cwd(), paths.HOME):
+        if (root / p).is_file():
+            return (root / p).resolve()
+    return None
+
+
+def resolve_paths(recipe: SFTRecipe, doc: Located | None = None) -> SFTRecipe:
+    """Absolute data paths and base model folder (checked to exist) and output_dir; with the
+    parsed YAML `doc`, problems name the recipe's line."""
+    problems, update = [], {}
+    for key in ("train", "eval"):
+        given = getattr(recipe.data, key)
+        if given is None:
+            continue
+        found = _find_input(given)
+        if found is None:
+            msg = (
+                f"no such file: {given} (looked in {Path.cwd()} and {paths.HOME}); the "
+                "concierge world writes data/sft/*.jsonl, or give another JSONL file"
+            )
+            problems.append(
+                doc.problem(("data", key), msg)
+                if doc
+                else Problem("recipe", None, f"data.{key}", msg)
+            )
+        update[key] = str(found)
+    model = recipe.model
+    if model.base is not None:
+        try:
+            kind, where = find_checkpoint(model.base.path)
+        except KitchenError as e:
+            loc = ("model", "base", "path")
+            problems += [doc.problem(loc, p.message) if doc else p for p in e.problems]
+        else:
+            if kind != "hub":  # a local folder, made absolute like the data paths
+                base = model.base.model_copy(update={"path": where})
+                model = model.model_copy(update={"base": base})
+    if problems:
+        raise KitchenError(problems)
+    out = Path(recipe.output_dir).expanduser()
+    out = out if out.is_absolute() else paths.RUNS / out
+    data = recipe.data.model_copy(update=update)
+    return recipe.model_copy(
+        update={"data": data, "model": model, "output_dir": str(out.resolve())}
+    )
+
+
+def load_recipe(path: str | os.PathLike) -> SFTRecipe:
+    """Read and validate a recipe; every problem is `PATH:LINE: field: what to fix`."""
+    doc = read_yaml(path)
+    return resolve_paths(validate_doc(SFTRecipe, doc), doc)
+
+
+def read_dialogues(path: str | os.PathLike, limit: int | None = None) -> list[list[dict]]:
+    """Dialogues from a JSONL file, each a list of `{"role", "content"}` messages.
+
+    Every line must hold `{"messages": [...]}` with known roles, string contents and at least one
+    assistant message (else nothing would be learnt from it); problems name the file and line.
+    Other keys of a row and of a message (`tool_calls`, metadata) are dropped (departure 1).
+    """
+    path = Path(path)
+    out: list[list[dict]] = []
+    problems: list[Problem] = []
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                problems.append(Problem(str(path), n, "line", f"not valid JSON ({e})"))
+                continue
+            msgs = row.get("messages") if isinstance(row, dict) else None
+            if not isinstance(msgs, list) or not msgs:
+                problems.append(
+                    Problem(
+                        str(path),
+                        n,
+                        "messages",
+                        'expected {"messages": [{"role": ..., "content": ...}]}',
+                    )
+                )
+                continue
+            bad = next(
+                (
+                    i
+                    for i, m in enumerate(msgs)
+                    if not isinstance(m, dict)
+                    or m.get("role") not in ROLES
+                    or not isinstance(m.get("content"), str)
+                ),
+                None,
+            )
+            if bad is not None:
+                problems.append(
+                    Problem(
+                        str(path),
+                        n,
+                        f"messages[{bad}]",
+                        f"needs a role in {', '.join(ROLES)} and string content",
+                    )
+                )
+                continue
+            if not any(m["role"] == "assistant" for m in msgs):
+                problems.append(Problem(str(path), n, "messages", "no assistant message to learn"))
+                continue
+            out.append([{"role": m["role"], "content": m["content"]} for m in msgs])
+            if len(problems) >= 20:
+                break
+    if problems:
+        raise KitchenError(problems)
+    if not out:
+        raise KitchenError([Problem(str(path), None, "file", "no dialogues in the file")])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class SFTResult:
+    """What a run produced: where, and the numbers to report."""
+
+    output_dir: Path
+    final_dir: Path
+    log: list[dict] = field(default_factory=list)  # the trainer's log_history rows
+
+    @property
+    def eval_losses(self) -> list[float]:
+        """Held-out loss at each evaluation, the first one before any training step."""
+        return [r["eval_loss"] for r in self.log if "eval_loss" in r]
+
+
+def _recipe_yaml(recipe: SFTRecipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def _check_output_dir(recipe: SFTRecipe, out: Path, resume: bool) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(out)) if out.is_dir() else None
+    if resume and last is None:
+        raise KitchenError(f"{out}: no checkpoint to resume from; run without --resume")
+    if not resume and last is not None:
+        raise KitchenError(
+            f"{out}: already holds a run ({Path(last).name}); resume it with "
+            "--resume, or choose another output_dir"
+        )
+    if resume and (out / "recipe.yaml").is_file():
+        saved = yaml.safe_load((out / "recipe.yaml").read_text()).get("model")
+        if saved != recipe.model.model_dump(mode="json"):
+            raise KitchenError(
+                f"{out}: the recipe's `model` section differs from the run being "
+                "resumed; restore it or start a new output_dir"
+            )
+    return last
+
+
+def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str | None]:
+    """Everything but the training: data, tokenizer, model and a TRL `SFTTrainer`.
+
+    Returns `(trainer, checkpoint)`, where `checkpoint` is the folder to resume from (or None).
+    `recipe` must have resolved paths (`load_recipe` / `resolve_paths`). Exposed so tests and
+    notebooks can inspect the collated batches before training.
+    """
+    try:
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+    except ImportError as e:
+        raise KitchenError(
+            f"kitchen sft needs TRL ({e}); install it with `pip install 'kitchen[trl]'`"
+        ) from None
+    from transformers import AutoTokenizer, set_seed
+
+    out = Path(recipe.output_dir)
+    checkpoint = _check_output_dir(recipe, out, resume)
+    train = read_dialogues(recipe.data.train, recipe.data.max_train)
+    held = read_dialogues(recipe.data.eval, recipe.data.max_eval) if recipe.data.eval else None
+    set_seed(recipe.seed)
+
+    src = recipe.model
+    if src.tiny is not None:
+        device = resolve_device(src.device or "auto")
+        if checkpoint is not None:  # the tokenizer the checkpoint was trained with
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        else:
+            settings = src.tokenizer or TokenizerSettings()
+            tokenizer = train_tokenizer(
+                (render_chat(m) for m in train),
+                settings.vocab_size,
+                min_frequency=settings.min_frequency,
+                model_max_length=src.tiny.max_positions,
+            )
+        model = build_tiny_model(tokenizer, src.tiny, seed=recipe.seed).to(device)
+        quantized, checkpointing = False, False
+    else:
+        model, tokenizer = load_model(src.base)
+        device = next(model.parameters()).device
+        quantized = src.base.quantization != "none"
+        checkpointing = src.base.gradient_checkpointing
+
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    has_eval = held is not None
+    args = SFTConfig(
+        output_dir=str(out),
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        num_train_epochs=recipe.epochs,
+        max_steps=recipe.max_steps or -1,
+        per_device_train_batch_size=recipe.batch_size,
+        per_device_eval_batch_size=recipe.batch_size,
+        gradient_accumulation_steps=recipe.grad_accum,
+        learning_rate=recipe.learning_rate(),
+        lr_scheduler_type=SCHEDULERS[recipe.schedule],
+        warmup_steps=recipe.warmup,
+        weight_decay=recipe.weight_decay,
+        max_grad_norm=recipe.max_grad_norm,
+        max_length=recipe.max_length,
+        assistant_only_loss=True,
+        packing=False,
+        logging_steps=recipe.log_every,
+        eval_strategy="steps" if has_eval else "no",
+        eval_steps=recipe.eval_every if has_eval else None,
+        eval_on_start=has_eval and checkpoint is None,  # a resumed run has that number
+        save_strategy="steps",
+        save_steps=recipe.save_every,
+        save_total_limit=recipe.keep_checkpoints,
+        use_cpu=device.type == "cpu",
+        bf16=bf16,
+        **_checkpointing_args(SFTConfig, checkpointing),
+        **_sampling_args(SFTConfig, recipe.group_by_length),
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+    )
+    try:
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_list([{"messages": m} for m in train]),
+            eval_dataset=Dataset.from_list([{"messages": m} for m in held]) if has_eval else None,
+            processing_class=tokenizer,
+        )
+    except ValueError as e:
+        if "chat template" not in str(e):
+            raise
+        raise KitchenError(  # departure 5
+            f"model.base.path {src.base.path}: its chat template cannot mark assistant turns for "
+            f"assistant-only loss ({e}). Give a checkpoint whose template wraps each assistant "
+            "turn in {% generation %}...{% endgeneration %} (kitchen.models.CHAT_TEMPLATE does)"
+        ) from None
+    if quantized and device.type == "cpu":  # departure 2: keep LoRA weights in float32 on CPU
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    return trainer, checkpoint
+
+
+def _checkpointing_args(config_cls: type, on: bool) -> dict[str, Any]:
+    # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing (the old name
+    # warns); TRL's default is on, which would slow the tiny model for no memory gain.
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    key = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+    return {key: on, f"{key}_kwargs": {"use_reentrant": False} if on else None}
+
+
+def _sampling_args(config_cls: type, grouped: bool) -> dict[str, Any]:
+    # transformers 5.2x replaced group_by_length with train_sampling_strategy
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    if "train_sampling_strategy" in names:
+        return {"train_sampling_strategy": "group_by_length" if grouped else "random"}
+    return {"group_by_length": grouped}
+
+
+def run_sft(recipe: SFTRecipe, *, resume: bool = False) -> SFTResult:
+    """Train as `recipe` says and save `final/`; see the module docstring for what is written."""
+    recipe = resolve_paths(recipe)
+    out = Path(recipe.output_dir)
+    trainer, checkpoint = build_trainer(recipe, resume=resume)
+    out.mkdir(parents=True, exist_ok=True)
+    text = _recipe_yaml(recipe)
+    atomic_write_text(out / "recipe.yaml", text)
+    trainer.train(resume_from_checkpoint=checkpoint)
+
+    final = out / "final"
+    tmp = Path(tempfile.mkdtemp(prefix=".final.", dir=out))
+    try:
+        names = adapter_names(trainer.model)
+        if names:  # only the adapter, flat in final/ (peft nests non-default names in a subfolder)
+            save_adapter(trainer.model, trainer.model.active_adapter, tmp)
+        else:
+            trainer.save_model(str(tmp))
+        trainer.processing_class.save_pretrained(str(tmp))
+        atomic_write_text(tmp / "recipe.yaml", text)
+        swap_folder(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log = list(trainer.state.log_history)
+    write_jsonl(out / "log.jsonl", log)
+    return SFTResult(output_dir=out, final_dir=final, log=log)
+
+
+def sft_main(recipe_path: str | os.PathLike, *, resume: bool = False) -> int:
+    """`kitchen sft RECIPE [--resume]`: run the recipe, print where the model went; exit code.
+
+    Recipe mistakes raise `KitchenError` (located `PATH:LINE: field: message`) for the CLI.
+    """
+    recipe = load_recipe(recipe_path)
+    result = run_sft(recipe, resume=resume)
+    losses = result.eval_losses
+    if len(losses) >= 2:
+        print(f"eval loss: {losses[0]:.3f} -> {losses[-1]:.3f}")
+    print(f"final model: {result.final_dir}")
+    print(f"log: {result.output_dir / 'log.jsonl'}")
+    return 0

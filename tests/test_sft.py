@@ -1,0 +1,259 @@
+"""SFT: recipes, assistant-only labels, a run that learns, checkpoints, resume, QLoRA on CPU."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from kitchen import paths
+from kitchen.config import KitchenError, load_model
+from kitchen.files import write_jsonl
+from kitchen.models import (
+    IM_END,
+    ModelSpec,
+    adapter_names,
+    build_tiny_model,
+    render_chat,
+    train_tokenizer,
+)
+from kitchen.models import load_model as load_checkpoint
+from kitchen.sft import (
+    SFTRecipe,
+    build_trainer,
+    load_recipe,
+    read_dialogues,
+    resolve_paths,
+    run_sft,
+    schema,
+    sft_main,
+)
+
+from .test_models import CUISINES, MICRO, dialogues
+
+MICRO_YAML = MICRO.model_dump()
+
+
+@pytest.fixture
+def data(tmp_path) -> dict[str, str]:
+    """200 training and 16 held-out synthetic dialogues as JSONL, like the world writes them."""
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    write_jsonl(train, [{"messages": m, "meta": {"task": i}} for i, m in enumerate(dialogues(200))])
+    write_jsonl(held, [{"messages": m} for m in dialogues(16, seed=1)])
+    return {"train": str(train), "eval": str(held)}
+
+
+def tiny_recipe(tmp_path: Path, data: dict, **kw) -> SFTRecipe:
+    fields = {
+        "output_dir": str(tmp_path / "run"),
+        "model": {"tiny": MICRO_YAML, "tokenizer": {"vocab_size": 512}},
+        "data": data,
+        "max_steps": 40,
+        "batch_size": 8,
+        "max_length": 256,
+        "eval_every": 20,
+        "save_every": 20,
+        "log_every": 10,
+    }
+    return SFTRecipe.model_validate({**fields, **kw})
+
+
+def test_assistant_only_labels_exclude_system_user_and_tool_tokens(tmp_path, data):
+    """In the collated batch, exactly the assistant contents and their <|im_end|> carry labels;
+    every system, user and tool token (and padding) is -100."""
+    trainer, _ = build_trainer(resolve_paths(tiny_recipe(tmp_path, data)))
+    tok = trainer.processing_class
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    batch = trainer.data_collator(rows)
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert ids.shape == labels.shape and (labels == -100).any()
+    for b in range(ids.shape[0]):
+        learned = tok.decode(ids[b][labels[b] != -100])
+        text = tok.decode(ids[b][batch["attention_mask"][b].bool()])
+        assistant = [seg.split(IM_END)[0] for seg in text.split("<|im_start|>assistant\n")[1:]]
+        assert learned == "".join(a + IM_END for a in assistant)
+        assert learned.startswith("@search ") and "concierge" not in learned
+        assert "I would like" not in learned and "none" not in learned.replace("no allergens", "")
+    assert (labels[batch["attention_mask"] == 0] == -100).all()
+
+
+def test_sft_run_learns_and_writes_hf_checkpoints(tmp_path, data):
+    """120 steps on the micro model: held-out loss falls well below its start, the weights move,
+    checkpoints and final/ are safetensors, final/ loads through ModelSpec, and the SFT policy
+    emits a search action and stops at <|im_end|>."""
+    recipe = tiny_recipe(
+        tmp_path, data, max_steps=120, eval_every=60, save_every=60, group_by_length=True
+    )
+    result = run_sft(recipe)
+    losses = result.eval_losses
+    assert len(losses) == 3  # before training, at step 60, at step 120
+    assert losses[-1] < 0.5 * losses[0], losses
+
+    out, final = result.output_dir, result.final_dir
+    assert {"checkpoint-60", "checkpoint-120", "final", "recipe.yaml", "log.jsonl"} <= {
+        p.name for p in out.iterdir()
+    }
+    assert (out / "checkpoint-60" / "model.safetensors").is_file()
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "recipe.yaml"):
+        assert (final / name).is_file(), name
+    saved = yaml.safe_load((final / "recipe.yaml").read_text())
+    assert saved["max_steps"] == 120 and Path(saved["data"]["train"]).is_absolute()
+
+    model, tok = load_checkpoint(ModelSpec(path=str(final), device="cpu"))
+    init = build_tiny_model(tok, MICRO, seed=recipe.seed)  # the run's starting weights
+    trained = load_file(final / "model.safetensors")
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(trained[w], init.state_dict()[w])
+
+    model.eval()
+    asked = dialogues(1, seed=5)[0][:2]
+    prompt = render_chat(asked, add_generation_prompt=True)
+    enc = tok([prompt], return_tensors="pt")
+    with torch.no_grad():
+        seq = model.generate(**enc, max_new_tokens=16, do_sample=False)
+    reply = tok.decode(seq[0, enc.input_ids.shape[1] :])
+    assert reply.startswith("@search ") and reply.endswith(IM_END), reply
+    assert reply[len("@search ") : -len(IM_END)] in CUISINES  # which one: RL's job, not 120 steps
+
+
+def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(tmp_path, data):
+    """Interrupt after checkpoint-4 of 8 steps, resume: the final weights equal those of the
+    uninterrupted run (same data order, RNG and optimiser state — and the seed makes runs
+    deterministic). A fresh run will not overwrite a run; a resume needs a checkpoint."""
+    recipe = tiny_recipe(tmp_path, data, max_steps=8, save_every=4, eval_every=4)
+    with pytest.raises(KitchenError, match="no checkpoint to resume"):
+        run_sft(recipe, resume=True)
+    first = run_sft(recipe)
+    want = load_file(first.final_dir / "model.safetensors")
+    shutil.rmtree(first.output_dir / "checkpoint-8")
+    shutil.rmtree(first.final_dir)
+    with pytest.raises(KitchenError, match="already holds a run"):
+        run_sft(recipe)
+    again = run_sft(recipe, resume=True)
+    got = load_file(again.final_dir / "model.safetensors")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert [r["step"] for r in again.log if "eval_loss" in r] == [0, 4, 8]
+
+    changed = recipe.model_copy(
+        update={"model": recipe.model.model_copy(update={"tiny": MICRO.model_copy(
+            update={"num_layers": 3})})}
+    )  # fmt: skip
+    with pytest.raises(KitchenError, match="`model` section differs"):
+        run_sft(changed, resume=True)
+
+
+def test_qlora_sft_on_cpu_saves_an_adapter_that_loads(tmp_path, data):
+    """Fine-tune a saved base with nf4 + LoRA on CPU: LoRA weights stay float32, move, and
+    final/ is a peft adapter folder that ModelSpec(path=final) loads onto its base."""
+    pytest.importorskip("bitsandbytes")
+    texts = [render_chat(m) for m in dialogues(200)]
+    tok = train_tokenizer(texts, 512)
+    base = tmp_path / "base"
+    build_tiny_model(tok, MICRO).save_pretrained(base)
+    tok.save_pretrained(base)
+    recipe = SFTRecipe.model_validate(
+        {
+            "output_dir": str(tmp_path / "q"),
+            "model": {"base": {"path": str(base), "quantization": "nf4", "device": "cpu",
+                               "lora": {"r": 8}}},
+            "data": data, "max_steps": 6, "batch_size": 8, "max_length": 256,
+            "eval_every": 3, "save_every": 6, "lr": 5e-3,
+        }
+    )  # fmt: skip
+    trainer, _ = build_trainer(resolve_paths(recipe))
+    lora = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n and p.dtype == torch.float32 for n, p in lora.items())
+    result = run_sft(recipe)
+    final = result.final_dir
+    assert (final / "adapter_config.json").is_file()
+    assert (final / "adapter_model.safetensors").is_file()
+    adapter = load_file(final / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter.items())  # B starts at 0
+    model, _ = load_checkpoint(ModelSpec(path=str(final), quantization="nf4", device="cpu"))
+    assert adapter_names(model) == ["policy"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Recipes and data: mistakes are located
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_bad_recipes_name_file_line_and_fix(tmp_path, data):
+    """Typos, impossible combinations and missing data files give PATH:LINE problems."""
+    good = (
+        f"output_dir: {tmp_path / 'run'}\n"
+        "model:\n  tiny: {}\n"
+        f"data:\n  train: {data['train']}\n  eval: {data['eval']}\n"
+    )
+    typo = write(tmp_path / "typo.yaml", good + "batch_sise: 8\n")
+    with pytest.raises(KitchenError) as e:
+        load_recipe(typo)
+    (p,) = e.value.problems
+    assert (p.path, p.line) == (str(typo), 7) and "did you mean 'batch_size'" in p.message
+
+    both = write(
+        tmp_path / "both.yaml", good.replace("  tiny: {}\n", "  tiny: {}\n  base: {path: x}\n")
+    )
+    with pytest.raises(KitchenError, match=r"both.yaml:2: model: give exactly one"):
+        load_recipe(both)
+
+    missing = write(tmp_path / "missing.yaml", good.replace(data["eval"], "nope/eval.jsonl"))
+    with pytest.raises(KitchenError) as e:
+        load_recipe(missing)
+    (p,) = e.value.problems
+    assert p.line == 6 and p.where == "data.eval" and "no such file" in p.message
+
+    no_base = good.replace("  tiny: {}\n", "  base:\n    path: data/no-such-model\n")
+    with pytest.raises(KitchenError) as e:
+        load_recipe(write(tmp_path / "nobase.yaml", no_base))
+    (p,) = e.value.problems
+    assert (p.line, p.where) == (4, "model.base.path") and "no such folder" in p.message
+
+    long = write(tmp_path / "long.yaml", good + "max_length: 4096\n")
+    with pytest.raises(KitchenError, match="max_length 4096 exceeds"):
+        load_recipe(long)
+    with pytest.raises(KitchenError, match="no such file"):
+        sft_main(tmp_path / "absent.yaml")
+
+
+def test_bad_dialogue_rows_are_located(tmp_path):
+    """A broken JSONL row names its file and line; an empty file is an error too."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        "\n"
+        '{"messages": [{"role": "chef", "content": "hi"}]}\n'
+        '{"messages": [{"role": "user", "content": "no reply"}]}\n'
+        "not json\n"
+    )
+    with pytest.raises(KitchenError) as e:
+        read_dialogues(f)
+    assert [(p.line, p.where) for p in e.value.problems] == [
+        (3, "messages[0]"),
+        (4, "messages"),
+        (5, "line"),
+    ]
+    assert read_dialogues(f, limit=1) == [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ]
+    empty = write(tmp_path / "e.jsonl", "\n")
+    with pytest.raises(KitchenError, match="no dialogues"):
+        read_dialogues(empty)
+
+
+def test_shipped_tiny_recipe_is_valid_and_sized_for_cpu():
+    """recipes/sft_tiny.yaml validates; its model is 1-3M parameters; paths resolve in the kit."""
+    recipe = load_model(SFTRecipe, paths.RECIPES / "sft_tiny.yaml")
+    assert 1_000_000 < recipe.model.tiny.parameter_count(recipe.model.tokenizer.vocab_size) < 3e6
+    assert recipe.data.train == "data/sft/train.jsonl" and recipe.data.eval == "data/sft/eval.jsonl"
+    assert recipe.learning_rate() == 3e-3
+    s = schema()
+    assert "model" in s["properties"] and s["title"] == "kitchen sft recipe"
