@@ -1,0 +1,646 @@
+"""The replay buffer: step samples kept across policy updates, so state groups have members.
+
+Seed 001 §7.1: the carrier of step-level samples is an experience-replay pool. A multi-turn
+trajectory is split into one record per agent turn; for a state the agent is in now, the pool
+holds earlier actions taken in the same (or a similar) state, and that comparison set is what
+MAPO's local advantage normalises against — the statistic a critic would otherwise estimate.
+Seed 000 §7.3 adds priority sampling and de-duplication against "samples consumed too fast";
+seed 001 §9.3 warns that old samples go stale as the policy moves, hence `max_age`.
+
+A record holds: state key (exact, and an optional coarser abstract key), task-group id,
+trajectory id, turn index, action token ids and their log-probs at collection, local reward,
+step return, global reward, policy version, insertion order and a sampling priority.
+
+How it stays fast at 10^6 records (benchmarks/bench_buffer.py measures it):
+- Columns are preallocated torch tensors in CPU memory; action tokens and log-probs are stored
+  flat with (start, length) offsets. Appending writes a slice; deletion flips an `alive` flag;
+  dead rows are compacted away only when the preallocated space runs out (amortised O(1) per
+  record). Capacity eviction scans forward from the oldest live row, not the whole store.
+- Keys (strings from the world, ints from the lab) become dense int64 codes through a dict, once
+  per inserted sample (O(batch) Python); every later operation is on the codes.
+- History lookup for state groups is one boolean-table gather over the stored codes
+  (O(records), vectorised: about 3 ms at 10^6). Uniform sampling draws positions and rejects
+  dead ones (O(batch)); priority sampling is one `multinomial` over the live rows (O(records)).
+No operation loops in Python over the stored records; keys of evicted records are forgotten in
+one pass over the key dict once they outnumber live records two to one (amortised).
+
+Departures from the seeds:
+1. De-duplication keeps the newest copy of an identical (exact state key, action tokens) sample:
+   the older one is evicted. Counting duplicates instead would need weighted group statistics.
+   Tokens are compared through a 62-bit hash (two 31-bit polynomial hashes), so a false merge
+   needs a hash collision (≈ 10^-7 at 10^6 records).
+2. Row indices returned by `add` stay valid until the next `add` (compaction renumbers rows).
+3. Rewards that are NaN or infinite are rejected at insertion with a `KitchenError` naming the
+   trajectory and turn, so one bad verdict cannot silently poison every group it joins.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Hashable, Sequence
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from kitchen.config import KitchenError, Problem, StrictModel
+from kitchen.mapo import StepBatch, dense
+
+Tensor = torch.Tensor
+KeyFn = Callable[[dict[str, Tensor]], Tensor]
+
+_P1, _P2 = 2_147_483_647, 2_147_483_629  # two primes below 2^31 for the token hash
+_GEN = torch.Generator().manual_seed(20261104)
+_MULT1 = torch.randint(1, _P1, (64,), generator=_GEN)
+_MULT2 = torch.randint(1, _P2, (64,), generator=_GEN)
+
+_COLUMNS: dict[str, torch.dtype] = {
+    "state": torch.long,  # exact state key code
+    "abstract": torch.long,  # abstract (coarser) state key code
+    "task_group": torch.long,
+    "traj": torch.long,
+    "run": torch.long,  # independent run (e.g. seed) the sample belongs to
+    "turn": torch.int32,
+    "local_reward": torch.float32,
+    "ret": torch.float32,
+    "global_reward": torch.float32,
+    "version": torch.long,  # policy version that produced the sample
+    "order": torch.long,  # insertion order, unique and increasing
+    "tok_start": torch.long,
+    "tok_len": torch.int32,
+    "tok_hash": torch.long,
+    "priority": torch.float32,
+    "valid": torch.bool,  # the sample carries a local signal (see mapo.StepBatch.valid)
+    "alive": torch.bool,
+}
+
+
+class BufferConfig(StrictModel):
+    """Size and freshness of the replay buffer."""
+
+    capacity: int = Field(
+        100_000,
+        ge=1,
+        description="Records kept; beyond it the oldest are evicted first. 10^5 step samples "
+        "of a few hundred tokens fit in well under 1 GB (see memory_per_record).",
+    )
+    max_age: int | None = Field(
+        None,
+        ge=0,
+        description="Evict samples more than this many policy versions old (seed 001 §9.3: old "
+        "samples go stale). None keeps them until capacity evicts them. In notebook 04 a few "
+        "versions work best.",
+    )
+    dedup: bool = Field(
+        False,
+        description="Keep only the newest of identical (exact state key, action tokens) samples. "
+        "Off by default: in small tabular worlds identical actions are the rule, and dropping "
+        "them would bias the group statistics; turn it on for text, where a repeat is a re-insert.",
+    )
+
+
+class _Codes:
+    """Dense int64 codes for hashable keys; dead codes are dropped when they outnumber live ones."""
+
+    def __init__(self) -> None:
+        self.index: dict[Hashable, int] = {}
+        self.keys: list[Hashable] = []
+
+    def encode(self, keys: Sequence[Hashable]) -> Tensor:
+        index, known = self.index, self.keys
+        out = []
+        for k in keys:
+            c = index.get(k)
+            if c is None:
+                c = index[k] = len(known)
+                known.append(k)
+            out.append(c)
+        return torch.tensor(out, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def prune(self, live: Tensor) -> Tensor:
+        """Keep only codes in `live`; return old → new code map (−1 for dropped)."""
+        used = torch.unique(live)
+        remap = torch.full((len(self.keys),), -1, dtype=torch.long)
+        remap[used] = torch.arange(len(used))
+        self.keys = [self.keys[i] for i in used.tolist()]
+        self.index = {k: i for i, k in enumerate(self.keys)}
+        return remap
+
+
+def _as_keys(x: Sequence[Hashable] | Tensor) -> list:
+    return x.tolist() if isinstance(x, Tensor) else list(x)
+
+
+def _flatten(
+    values: Sequence[Sequence[float]] | Tensor | tuple[Tensor, Tensor], dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Ragged per-sample sequences → (flat [M], lengths [n]).
+
+    Accepts a list of lists, a 1-D tensor (one element per sample), or (flat, lengths).
+    """
+    if isinstance(values, tuple):
+        flat, lengths = values
+        return flat.to(dtype).reshape(-1), lengths.long().reshape(-1)
+    if isinstance(values, Tensor):
+        if values.dim() != 1:
+            raise ValueError("give tokens as a list of lists, a 1-D tensor, or (flat, lengths)")
+        return values.to(dtype), torch.ones(values.shape[0], dtype=torch.long)
+    lengths = torch.tensor([len(v) for v in values], dtype=torch.long)
+    flat = [x for v in values for x in v]
+    return torch.tensor(flat, dtype=dtype), lengths
+
+
+def _token_hash(flat: Tensor, lengths: Tensor) -> Tensor:
+    """62-bit hash of each sample's token sequence: two polynomial hashes mod primes < 2^31."""
+    n = lengths.shape[0]
+    seg = torch.repeat_interleave(torch.arange(n), lengths)
+    pos = torch.arange(flat.shape[0]) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths
+    )
+    tok = flat.long() + 1
+    h1 = torch.zeros(n, dtype=torch.long).index_add_(0, seg, (tok % _P1) * _MULT1[pos % 64] % _P1)
+    h2 = torch.zeros(n, dtype=torch.long).index_add_(0, seg, (tok % _P2) * _MULT2[pos % 64] % _P2)
+    # each term is < 2^31, so sums stay far below 2^63 for any realistic length
+    return (h1 % _P1) * _P1 + (h2 % _P2) + lengths
+
+
+class ReplayBuffer:
+    """In-memory store of step samples with state-group lookup, eviction and sampling."""
+
+    def __init__(self, config: BufferConfig | None = None, **fields) -> None:
+        self.config = config or BufferConfig(**fields)
+        cap = self.config.capacity
+        self._headroom = max(cap // 4, 64)
+        self._alloc = 0
+        self._n = 0  # rows used in the columns ([0, n): alive or dead)
+        self._head = 0  # every row before head is dead
+        self._alive = 0
+        self._order = 0
+        self.version = 0
+        self._cutoff = None  # version below which samples were last evicted
+        self._col: dict[str, Tensor] = {k: torch.empty(0, dtype=d) for k, d in _COLUMNS.items()}
+        self._tokens = torch.empty(0, dtype=torch.int32)
+        self._logp = torch.empty(0, dtype=torch.float32)
+        self._tok_n = 0
+        self._max_priority = 1.0
+        self._codes = {k: _Codes() for k in ("state", "abstract", "task_group", "traj")}
+        self._dedup: dict[tuple, int] = {}
+        self.evicted = {"capacity": 0, "max_age": 0, "dedup": 0}
+
+    # ----------------------------------------------------------------------------- insertion
+
+    def add(
+        self,
+        *,
+        state: Sequence[Hashable] | Tensor,
+        tokens: Sequence[Sequence[int]] | Tensor | tuple[Tensor, Tensor],
+        logp: Sequence[Sequence[float]] | Tensor | tuple[Tensor, Tensor],
+        local_reward: Sequence[float] | Tensor,
+        ret: Sequence[float] | Tensor,
+        global_reward: Sequence[float] | Tensor,
+        task_group: Sequence[Hashable] | Tensor,
+        traj: Sequence[Hashable] | Tensor,
+        turn: Sequence[int] | Tensor,
+        version: int | Tensor,
+        abstract: Sequence[Hashable] | Tensor | None = None,
+        run: int | Tensor = 0,
+        valid: Sequence[bool] | Tensor | None = None,
+    ) -> Tensor:
+        """Insert N step samples; return the row index of each one kept ([≤ N], valid until the
+        next `add`).
+
+        `state`, `abstract`, `task_group` and `traj` are any hashable keys (strings, ints, or an
+        int64 tensor). `tokens` and `logp` are per-sample sequences: lists of lists, a 1-D tensor
+        (one token per sample) or (flat [M], lengths [N]). `valid` marks samples that carry a
+        local signal (default all; see `mapo.StepBatch.valid`). `run` labels independent runs kept in
+        one buffer (the lab's seeds). Raises `KitchenError` for non-finite rewards or log-probs,
+        naming the trajectory and turn.
+        """
+        state_keys = _as_keys(state)
+        n = len(state_keys)
+        traj_keys = _as_keys(traj)
+        turns = torch.as_tensor(turn, dtype=torch.long).reshape(-1)
+        floats = {
+            "local_reward": torch.as_tensor(local_reward, dtype=torch.float32).reshape(-1),
+            "ret": torch.as_tensor(ret, dtype=torch.float32).reshape(-1),
+            "global_reward": torch.as_tensor(global_reward, dtype=torch.float32).reshape(-1),
+        }
+        flat_tok, tok_len = _flatten(tokens, torch.int32)
+        flat_lp, lp_len = _flatten(logp, torch.float32)
+        for name, v in [("traj", traj_keys), ("turn", turns), *floats.items()]:
+            if len(v) != n:
+                raise ValueError(f"{name} has {len(v)} entries for {n} samples")
+        if tok_len.shape[0] != n or not torch.equal(tok_len, lp_len):
+            raise ValueError("tokens and logp must have one sequence per sample, of equal lengths")
+        self._check_finite(floats, flat_lp, lp_len, traj_keys, turns)
+        versions = torch.as_tensor(version, dtype=torch.long).expand(n).clone()
+
+        cols = {
+            "state": self._codes["state"].encode(state_keys),
+            "abstract": self._codes["abstract"].encode(
+                state_keys if abstract is None else _as_keys(abstract)
+            ),
+            "task_group": self._codes["task_group"].encode(_as_keys(task_group)),
+            "traj": self._codes["traj"].encode(traj_keys),
+            "run": torch.as_tensor(run, dtype=torch.long).expand(n).clone(),
+            "turn": turns.to(torch.int32),
+            **floats,
+            "version": versions,
+            "order": torch.arange(self._order, self._order + n),
+            "tok_len": tok_len.to(torch.int32),
+            "tok_hash": _token_hash(flat_tok, tok_len),
+            "priority": torch.full((n,), self._max_priority),
+            "valid": torch.ones(n, dtype=torch.bool)
+            if valid is None
+            else torch.as_tensor(valid, dtype=torch.bool).reshape(-1),
+            "alive": torch.ones(n, dtype=torch.bool),
+        }
+        self._order += n
+        newest = max(self.version, int(versions.max()) if n else 0)
+        keep = torch.ones(n, dtype=torch.bool)
+        if self.config.max_age is not None:  # samples already too old never enter
+            keep = versions >= newest - self.config.max_age
+            self.evicted["max_age"] += int((~keep).sum())
+        if self.config.dedup:
+            keep = self._dedup_batch(state_keys, cols, keep)
+        rows = self._append(cols, flat_tok, flat_lp, tok_len, None if keep.all() else keep)
+        self.advance(newest)
+        self._evict_capacity()
+        self._prune_keys()
+        return rows[self._col["alive"][rows]]
+
+    def _check_finite(self, floats, flat_lp, lp_len, traj_keys, turns) -> None:
+        for name, v in floats.items():
+            bad = ~torch.isfinite(v)
+            if bad.any():
+                i = int(bad.nonzero()[0])
+                raise KitchenError(
+                    [
+                        Problem(
+                            "buffer.add",
+                            None,
+                            f"trajectory {traj_keys[i]!r} turn {int(turns[i])}",
+                            f"{name} is {v[i].item()}; rewards must be finite numbers "
+                            "(check the reward model's verdict for this turn)",
+                        )
+                    ]
+                )
+        bad = ~torch.isfinite(flat_lp)
+        if bad.any():
+            seg = torch.repeat_interleave(torch.arange(lp_len.shape[0]), lp_len)
+            i = int(seg[bad.nonzero()[0]])
+            raise KitchenError(
+                [
+                    Problem(
+                        "buffer.add",
+                        None,
+                        f"trajectory {traj_keys[i]!r} turn {int(turns[i])}",
+                        "a token log-prob is not finite; store the sampler's log-probs of the "
+                        "tokens it actually emitted",
+                    )
+                ]
+            )
+
+    def _dedup_batch(self, state_keys: list, cols: dict[str, Tensor], keep: Tensor) -> Tensor:
+        """Keep-newest de-duplication among the `keep` rows: drop earlier copies in the batch,
+        evict stored ones. Returns the updated `keep`."""
+        keep = keep.clone()
+        candidates = keep.tolist()
+        old_orders = []
+        seen: dict[tuple, int] = {}
+        for i, (k, h, o) in enumerate(
+            zip(state_keys, cols["tok_hash"].tolist(), cols["order"].tolist(), strict=True)
+        ):
+            if not candidates[i]:
+                continue
+            key = (k, h)
+            if key in seen:
+                keep[seen[key]] = False
+            seen[key] = i
+            prev = self._dedup.get(key)
+            if prev is not None:
+                old_orders.append(prev)
+            self._dedup[key] = o
+        dropped_in_batch = sum(candidates) - int(keep.sum())
+        if old_orders:
+            orders = torch.tensor(old_orders, dtype=torch.long)
+            pos = torch.searchsorted(self._col["order"][: self._n], orders)
+            pos = pos[pos < self._n]
+            pos = pos[torch.isin(self._col["order"][pos], orders)]
+            pos = pos[self._col["alive"][pos]]
+            self._kill(pos, "dedup")
+        self.evicted["dedup"] += dropped_in_batch
+        return keep
+
+    def _append(self, cols, flat_tok, flat_lp, tok_len, keep) -> Tensor:
+        if keep is not None:
+            seg = torch.repeat_interleave(keep, tok_len)
+            flat_tok, flat_lp, tok_len = flat_tok[seg], flat_lp[seg], tok_len[keep]
+            cols = {k: v[keep] for k, v in cols.items()}
+        b = tok_len.shape[0]
+        self._ensure_rows(b)
+        self._ensure_tokens(flat_tok.shape[0])
+        cols["tok_start"] = self._tok_n + torch.cumsum(tok_len, 0) - tok_len
+        rows = torch.arange(self._n, self._n + b)
+        for k, v in cols.items():
+            self._col[k][self._n : self._n + b] = v
+        m = flat_tok.shape[0]
+        self._tokens[self._tok_n : self._tok_n + m] = flat_tok
+        self._logp[self._tok_n : self._tok_n + m] = flat_lp
+        self._tok_n += m
+        self._n += b
+        self._alive += b
+        return rows
+
+    # ------------------------------------------------------------------------------ eviction
+
+    def advance(self, version: int) -> None:
+        """Set the current policy version (never backwards) and evict samples older than
+        `max_age` versions: kept while version − sample version ≤ max_age."""
+        self.version = max(self.version, int(version))
+        if self.config.max_age is None:
+            return
+        cutoff = self.version - self.config.max_age
+        if self._cutoff is not None and cutoff <= self._cutoff:
+            return
+        self._cutoff = cutoff
+        lo = self._head
+        stale = self._col["alive"][lo : self._n] & (self._col["version"][lo : self._n] < cutoff)
+        self._kill(stale.nonzero().squeeze(1) + lo, "max_age")
+
+    def _evict_capacity(self) -> None:
+        """Kill the oldest live records beyond capacity: scan forward from the head in windows,
+        so the cost is the number of rows passed, not the size of the store."""
+        excess = self._alive - self.config.capacity
+        start = self._head
+        while excess > 0:
+            stop = min(self._n, start + max(2 * excess, 1024))
+            idx = self._col["alive"][start:stop].nonzero().squeeze(1)[:excess] + start
+            self._kill(idx, "capacity")
+            excess -= idx.numel()
+            start = int(idx[-1]) + 1 if idx.numel() else stop
+            self._head = start  # everything before it is dead now
+
+    def _kill(self, rows: Tensor, why: str) -> None:
+        if rows.numel() == 0:
+            return
+        self._col["alive"][rows] = False
+        self._alive -= rows.numel()
+        self.evicted[why] += rows.numel()
+
+    # ------------------------------------------------------------------------------- storage
+
+    def _ensure_rows(self, b: int) -> None:
+        if self._n + b <= self._alloc:
+            return
+        self._compact()
+        if self._n + b <= self._alloc:
+            return
+        target = max(
+            min(2 * max(self._alloc, 1024), self.config.capacity + self._headroom), self._n + b
+        )
+        for k, v in self._col.items():
+            grown = torch.zeros(target, dtype=v.dtype)
+            grown[: self._n] = v[: self._n]
+            self._col[k] = grown
+        self._alloc = target
+
+    def _ensure_tokens(self, m: int) -> None:
+        if self._tok_n + m <= self._tokens.shape[0]:
+            return
+        live = int(self._col["tok_len"][: self._n][self._col["alive"][: self._n]].sum())
+        if self._tok_n > 2 * live:  # mostly dead tokens: reclaim them before growing
+            self._compact_tokens()
+        if self._tok_n + m > self._tokens.shape[0]:
+            size = max(2 * self._tokens.shape[0], self._tok_n + m, 4096)
+            for name in ("_tokens", "_logp"):
+                old = getattr(self, name)
+                new = torch.zeros(size, dtype=old.dtype)
+                new[: self._tok_n] = old[: self._tok_n]
+                setattr(self, name, new)
+
+    def _compact(self) -> None:
+        """Drop dead rows (keeping insertion order) and their tokens."""
+        keep = self._col["alive"][: self._n].nonzero().squeeze(1)
+        for v in self._col.values():
+            v[: keep.numel()] = v.index_select(0, keep)
+        self._n = keep.numel()
+        self._head = 0
+        self._compact_tokens()
+
+    def _prune_keys(self) -> None:
+        """Forget keys (and de-dup entries) of evicted records once they outnumber live ones."""
+        alive = self._col["alive"][: self._n]
+        for name, codes in self._codes.items():
+            if len(codes) > 2 * self._alive + 1024:
+                col = self._col[name][: self._n]
+                remap = codes.prune(col[alive])
+                col.copy_(remap[col].clamp(min=0))  # dead rows may map to −1; park them on 0
+        if self.config.dedup and len(self._dedup) > 2 * self._alive + 1024:
+            keys = self._codes["state"].keys
+            c = {k: self._col[k][: self._n][alive] for k in ("state", "tok_hash", "order")}
+            self._dedup = {
+                (keys[s], h): o
+                for s, h, o in zip(
+                    c["state"].tolist(), c["tok_hash"].tolist(), c["order"].tolist(), strict=True
+                )
+            }
+
+    def _compact_tokens(self) -> None:
+        alive = self._col["alive"][: self._n]
+        start = self._col["tok_start"][: self._n]
+        length = self._col["tok_len"][: self._n].long() * alive
+        new_start = torch.cumsum(length, 0) - length
+        src = torch.repeat_interleave(start, length) + (
+            torch.arange(int(length.sum())) - torch.repeat_interleave(new_start, length)
+        )
+        m = src.numel()
+        self._tokens[:m] = self._tokens[src]
+        self._logp[:m] = self._logp[src]
+        self._col["tok_start"][: self._n] = new_start
+        self._tok_n = m
+
+    # ------------------------------------------------------------------------------- queries
+
+    def __len__(self) -> int:
+        return self._alive
+
+    def rows(self) -> Tensor:
+        """Row indices of every live record, oldest first."""
+        return self._col["alive"][: self._n].nonzero().squeeze(1)
+
+    def column(self, name: str, rows: Tensor | None = None) -> Tensor:
+        """One stored column (see `_COLUMNS`) at `rows` (default: every live record)."""
+        v = self._col[name][: self._n]
+        return v[self.rows() if rows is None else rows]
+
+    def columns(self) -> dict[str, Tensor]:
+        """Views of the key columns over all used rows [0, n), live or dead (for key functions)."""
+        names = ("state", "abstract", "task_group", "traj", "run", "turn", "version")
+        return {k: self._col[k][: self._n] for k in names}
+
+    def group_keys(self, by: Literal["exact", "abstract"] | KeyFn = "exact") -> Tensor:
+        """Group key of every used row [n] under `by`: exact or abstract state codes, or
+        `by(columns)` → int64 [n] for a custom grouping (e.g. lambda c: c['turn'])."""
+        if by == "exact":
+            return self._col["state"][: self._n]
+        if by == "abstract":
+            return self._col["abstract"][: self._n]
+        keys = by(self.columns())
+        if keys.shape != (self._n,):
+            raise ValueError(f"key function returned shape {tuple(keys.shape)}, want ({self._n},)")
+        return keys.long()
+
+    def groups(self, rows: Tensor, by: Literal["exact", "abstract"] | KeyFn = "exact") -> Tensor:
+        """Dense group codes of `rows` under `by`."""
+        return dense(self.group_keys(by)[rows])[0]
+
+    def with_history(
+        self,
+        rows: Tensor,
+        by: Literal["exact", "abstract"] | KeyFn = "exact",
+        whole_task_groups: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """`rows` plus every other live record that shares a group key with one of them.
+
+        This is the seeds' "fetch_by_state": the history that joins each fresh sample's state
+        group. With `whole_task_groups`, the full task groups of those history records come too
+        (so their global advantages can be recomputed when they are replayed into the gradient).
+        Returns (rows [R] with `rows` first, fresh [R] bool). O(records), vectorised.
+        """
+        keys = self.group_keys(by)
+        alive = self._col["alive"][: self._n]
+        if by in ("exact", "abstract"):  # dense codes: a boolean table lookup
+            wanted = torch.zeros(
+                len(self._codes["state" if by == "exact" else "abstract"]), dtype=torch.bool
+            )
+            wanted[keys[rows]] = True
+            hit = wanted[keys]
+        else:
+            hit = torch.isin(keys, keys[rows])
+        hit &= alive
+        if whole_task_groups and hit.any():
+            tasks = torch.zeros(len(self._codes["task_group"]), dtype=torch.bool)
+            tasks[self._col["task_group"][: self._n][hit]] = True
+            hit |= tasks[self._col["task_group"][: self._n]] & alive
+        hit[rows] = False
+        history = hit.nonzero().squeeze(1)
+        fresh = torch.zeros(rows.numel() + history.numel(), dtype=torch.bool)
+        fresh[: rows.numel()] = True
+        return torch.cat([rows, history]), fresh
+
+    def batch(
+        self,
+        rows: Tensor,
+        by: Literal["exact", "abstract"] | KeyFn = "exact",
+        fresh: Tensor | None = None,
+    ) -> StepBatch:
+        """The `mapo.StepBatch` of `rows`, with `state` = their group codes under `by`."""
+        c = self._col
+        return StepBatch(
+            local_reward=c["local_reward"][rows],
+            global_reward=c["global_reward"][rows],
+            ret=c["ret"][rows],
+            state=self.groups(rows, by),
+            task_group=c["task_group"][rows],
+            traj=c["traj"][rows],
+            turn=c["turn"][rows].long(),
+            fresh=fresh,
+            run=c["run"][rows],
+            valid=c["valid"][rows],
+        )
+
+    def padded(
+        self, rows: Tensor, what: Literal["tokens", "logp"] = "tokens"
+    ) -> tuple[Tensor, Tensor]:
+        """Action tokens (or their log-probs at collection) of `rows`, right-padded: ([B, T], mask)."""
+        start = self._col["tok_start"][rows]
+        length = self._col["tok_len"][rows].long()
+        width = int(length.max()) if rows.numel() else 0
+        col = torch.arange(width)
+        mask = col[None, :] < length[:, None]
+        idx = (start[:, None] + col[None, :]).clamp(max=max(self._tok_n - 1, 0))
+        flat = self._tokens if what == "tokens" else self._logp
+        return torch.where(mask, flat[idx], torch.zeros((), dtype=flat.dtype)), mask
+
+    def keys_of(self, rows: Tensor, which: str = "state") -> list:
+        """The original keys (strings, ints) of `rows` for one key column. O(rows) Python."""
+        known = self._codes[which].keys
+        return [known[c] for c in self._col[which][rows].tolist()]
+
+    # ------------------------------------------------------------------------------ sampling
+
+    def sample(
+        self,
+        n: int,
+        *,
+        priority: Literal["abs_adv"] | None = None,
+        power: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Row indices of `n` live records, without replacement (fewer if fewer are stored).
+
+        Uniform by default (O(n), by rejection). `priority='abs_adv'` draws with probability
+        ∝ p^power (O(records)), where p is the record's |advantage| set by `set_priority`; new
+        records get the largest p seen, so they are drawn soon (prioritised replay, Schaul et
+        al. 2016).
+        """
+        if priority is None:
+            return self._sample_uniform(n, generator)
+        live = self.rows()
+        n = min(n, live.numel())
+        if priority != "abs_adv":
+            raise ValueError(f"unknown priority {priority!r}; use None or 'abs_adv'")
+        w = self._col["priority"][live].double().pow(power)
+        return live[torch.multinomial(w, n, replacement=False, generator=generator)]
+
+    def _sample_uniform(self, n: int, generator: torch.Generator | None) -> Tensor:
+        """n distinct live rows, uniformly. When the live rows are dense in [head, n) (the usual
+        case) draw positions and reject dead or repeated ones: O(n), not O(records)."""
+        span = self._n - self._head
+        if 4 * n > self._alive or span > 2 * self._alive:
+            live = self.rows()
+            return live[torch.randperm(live.numel(), generator=generator)[:n]]
+        alive = self._col["alive"]
+        picked = torch.empty(0, dtype=torch.long)
+        while picked.numel() < n:
+            cand = torch.randint(self._head, self._n, (2 * n,), generator=generator)
+            picked = torch.cat([picked, cand[alive[cand]]])
+            uniq, inv = torch.unique(picked, return_inverse=True)
+            first = torch.full((uniq.numel(),), picked.numel(), dtype=torch.long)
+            first.scatter_reduce_(0, inv, torch.arange(picked.numel()), "amin")
+            picked = picked[first.sort().values]  # distinct, in the order they were drawn
+        return picked[:n]
+
+    def set_priority(self, rows: Tensor, adv: Tensor) -> None:
+        """Record |advantage| (+1e-6, so nothing is never drawn) as the rows' sampling priority."""
+        p = adv.detach().abs().float() + 1e-6
+        self._col["priority"][rows] = p
+        if p.numel():
+            self._max_priority = max(self._max_priority, float(p.max()))
+
+    # -------------------------------------------------------------------------------- memory
+
+    def memory_per_record(self) -> dict[str, float]:
+        """Bytes per live record: fixed columns, tokens + log-probs, and the key dictionaries."""
+        n = max(self._alive, 1)
+        columns = sum(torch.empty(0, dtype=d).element_size() for d in _COLUMNS.values())
+        tokens = self._tok_n * (self._tokens.element_size() + self._logp.element_size()) / n
+        keys = 0
+        for codes in self._codes.values():
+            keys += sys.getsizeof(codes.index) + sys.getsizeof(codes.keys)
+            keys += sum(sys.getsizeof(k) for k in codes.keys)
+        if self.config.dedup:
+            keys += sys.getsizeof(self._dedup) + len(self._dedup) * 2 * 64  # tuple + int
+        allocated = sum(v.numel() * v.element_size() for v in self._col.values())
+        allocated += self._tokens.numel() * 4 + self._logp.numel() * 4
+        return {
+            "columns": float(columns),
+            "tokens": tokens,
+            "keys": keys / n,
+            "total": columns + tokens + keys / n,
+            "allocated_total": (allocated + keys) / n,
+        }
