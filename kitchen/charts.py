@@ -94,3 +94,302 @@ def downsample(df: pl.DataFrame, max_rows: int = MAX_ROWS) -> pl.DataFrame:
         return df
     step = -(-df.height // max_rows)
     return df.gather_every(step)
+
+
+# ---------------------------------------------------------------- notebook 04: credit assignment
+
+PRESET_ORDER = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gigpo", "mapo_paper", "mapo"]
+
+
+def _thin(df: pl.DataFrame, by: list[str], max_rows: int = MAX_ROWS) -> pl.DataFrame:
+    """Every k-th row within each group of `by` (keeping each group's last row)."""
+    if df.height <= max_rows:
+        return df
+    k = -(-df.height // max_rows)
+    i = pl.int_range(pl.len()).over(by)
+    return df.filter((i % k == 0) | (i == pl.len().over(by) - 1))
+
+
+def _preset_color(presets: list[str]) -> alt.Color:
+    order = [p for p in PRESET_ORDER if p in presets] + [
+        p for p in presets if p not in PRESET_ORDER
+    ]
+    return alt.Color("preset:N", sort=order, scale=alt.Scale(domain=order, scheme="tableau10"))
+
+
+def sample_efficiency(curves: pl.DataFrame, target: float | None = None) -> alt.Chart:
+    """Success rate against episodes, one line per preset (mean over seeds) with its 95% band;
+    one panel per horizon. `curves` has preset, horizon, episodes, success, low, high."""
+    df = _thin(curves, ["preset", "horizon"])
+    if target is not None:
+        df = df.with_columns(target=pl.lit(target))
+    color = _preset_color(df["preset"].unique().to_list())
+    base = alt.Chart(df).encode(x=alt.X("episodes:Q", title="episodes per seed"), color=color)
+    band = base.mark_area(opacity=0.15).encode(y="low:Q", y2="high:Q")
+    line = base.mark_line().encode(
+        y=alt.Y("success:Q", title="success rate", scale=alt.Scale(domain=[0, 1])),
+        tooltip=["preset", "horizon", "episodes", alt.Tooltip("success:Q", format=".2f")],
+    )
+    layers = band + line
+    if target is not None:
+        rule = alt.Chart(df).mark_rule(strokeDash=[4, 4], color="#555").encode(y="mean(target):Q")
+        layers = layers + rule
+    return (
+        layers.properties(width=230, height=180)
+        .facet(column=alt.Column("horizon:O", title="horizon (turns)"))
+        .resolve_scale(x="independent")
+        .properties(title="Sample efficiency: mean over seeds, 95% band")
+    )
+
+
+def samples_to_target(table: pl.DataFrame) -> alt.Chart:
+    """Median episodes to reach the target against the horizon, one line per preset (log
+    scale): how each method's cost grows with the task's length. A preset whose median did not
+    reach the target is drawn at the budget as a hollow point. `table` is lab.samples_table."""
+    df = table.with_columns(
+        shown=pl.when(pl.col("median_episodes").is_infinite())
+        .then(pl.col("budget").cast(pl.Float64))
+        .otherwise(pl.col("median_episodes")),
+        within_budget=pl.col("median_episodes").is_finite(),
+        median_episodes=pl.when(pl.col("median_episodes").is_finite()).then(
+            pl.col("median_episodes")
+        ),
+    ).drop([c for c in table.columns if c.startswith("vs_")])
+    color = _preset_color(df["preset"].unique().to_list())
+    base = alt.Chart(df).encode(
+        x=alt.X("horizon:Q", title="horizon (turns)"),
+        y=alt.Y("shown:Q", title="median episodes to target", scale=alt.Scale(type="log")),
+        color=color,
+    )
+    points = base.mark_point(size=60, filled=True).encode(
+        fillOpacity=alt.condition("datum.within_budget", alt.value(1.0), alt.value(0.0)),
+        tooltip=["preset", "horizon", "median_episodes", "reached", "budget"],
+    )
+    return (base.mark_line() + points).properties(
+        width=420, height=240, title="Samples to target (median over seeds)"
+    )
+
+
+QUALITY = {1.0: "good action", 0.0: "neutral / wrong key", -1.0: "trap"}
+
+
+def advantage_histogram(snapshot: pl.DataFrame, bin_width: float = 0.25) -> alt.Chart:
+    """Distribution of each preset's advantages on the same rollouts, split by what the action
+    was: a preset that assigns credit well separates good actions from traps."""
+    df = (
+        snapshot.with_columns(
+            quality=pl.col("quality").replace_strict(QUALITY, default="other"),
+            bin=(pl.col("advantage").clip(-4, 4) / bin_width).floor() * bin_width,
+        )
+        .group_by("preset", "quality", "bin")
+        .agg(count=pl.len())
+        .with_columns(share=pl.col("count") / pl.col("count").sum().over("preset", "quality"))
+    )
+    return (
+        alt.Chart(df)
+        .mark_bar(opacity=0.6, binSpacing=0)
+        .encode(
+            x=alt.X(
+                "bin:Q",
+                title="advantage",
+                bin=alt.Bin(binned=True, step=bin_width),
+                axis=alt.Axis(values=[-4, -2, 0, 2, 4]),
+            ),
+            x2="bin_end:Q",
+            y=alt.Y("share:Q", title="share of samples", stack=None),
+            color=alt.Color(
+                "quality:N",
+                title="action",
+                scale=alt.Scale(
+                    domain=list(QUALITY.values()), range=["#2e86c1", "#aaaaaa", "#c0392b"]
+                ),
+            ),
+            tooltip=["preset", "quality", "bin", "count"],
+        )
+        .transform_calculate(bin_end=f"datum.bin + {bin_width}")
+        .properties(width=170, height=110)
+        .facet(facet=alt.Facet("preset:N", sort=PRESET_ORDER), columns=4)
+        .properties(title="Advantages of the same rollouts, by the action taken")
+    )
+
+
+def credit_by_turn(credit: pl.DataFrame, key_turn: int | None = None) -> alt.Chart:
+    """Per turn and preset: corr(advantage, the action's judged quality) — the share of a turn's
+    advantage that is about that turn's own action."""
+    color = _preset_color(credit["preset"].unique().to_list())
+    bars = (
+        alt.Chart(credit)
+        .mark_bar()
+        .encode(
+            x=alt.X(
+                "turn:O", title="turn" + (f" (key turn {key_turn})" if key_turn is not None else "")
+            ),
+            xOffset=alt.XOffset("preset:N", sort=PRESET_ORDER),
+            y=alt.Y(
+                "credit:Q",
+                title="corr(advantage, action quality)",
+                scale=alt.Scale(domain=[-0.2, 1]),
+            ),
+            color=color,
+            tooltip=["preset", "turn", alt.Tooltip("credit:Q", format=".2f")],
+        )
+        .properties(
+            width=520,
+            height=200,
+            title="How much of each turn's advantage is about that turn's action",
+        )
+    )
+    return bars
+
+
+def metric_curves(metrics: pl.DataFrame, names: list[str]) -> alt.Chart:
+    """Training metrics over episodes, one panel per metric name, one line per preset.
+    `metrics` has preset, horizon, episodes, metric, value."""
+    df = _thin(metrics.filter(pl.col("metric").is_in(names)), ["preset", "horizon", "metric"])
+    color = _preset_color(df["preset"].unique().to_list())
+    return (
+        alt.Chart(df)
+        .mark_line()
+        .encode(
+            x=alt.X("episodes:Q", title="episodes per seed"),
+            y=alt.Y("value:Q", title=None),
+            color=color,
+            tooltip=["preset", "metric", "episodes", alt.Tooltip("value:Q", format=".3f")],
+        )
+        .properties(width=260, height=170)
+        .facet(column=alt.Column("metric:N", title=None, sort=names))
+        .resolve_scale(y="independent")
+    )
+
+
+# ------------------------------------------------------ notebooks 02 and 03: cold start and GRM
+
+VERDICT_COLORS = {"pass": "#2e8b57", "violate": "#c0392b", "n/a": "#e8e8e8", "masked": "#8e8e8e"}
+
+
+def loss_curve(log: pl.DataFrame) -> alt.Chart:
+    """Train and held-out loss against the optimiser step. `log` has `step` and `loss` and/or
+    `eval_loss` columns (the rows `kitchen.sft.run_sft` logs; missing values are skipped)."""
+    cols = [c for c in ("loss", "eval_loss") if c in log.columns]
+    long = (
+        downsample(log.select(["step", *cols]))
+        .unpivot(index="step", on=cols, variable_name="series", value_name="value")
+        .drop_nulls("value")
+        .with_columns(pl.col("series").replace({"loss": "train", "eval_loss": "held-out"}))
+    )
+    return (
+        alt.Chart(long)
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("step:Q", title="optimiser step"),
+            y=alt.Y("value:Q", title="loss (assistant tokens)"),
+            color=alt.Color("series:N", title=None),
+            tooltip=["series", "step", alt.Tooltip("value:Q", format=".3f")],
+        )
+        .properties(width=420, height=200, title="SFT loss")
+    )
+
+
+def counts_bar(df: pl.DataFrame, category: str, value: str, title: str = "") -> alt.Chart:
+    """A horizontal bar per category (e.g. action kinds in the SFT data)."""
+    return (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            y=alt.Y(f"{category}:N", sort="-x", title=None),
+            x=alt.X(f"{value}:Q"),
+            tooltip=[category, value],
+        )
+        .properties(width=360, height=alt.Step(18), title=title)
+    )
+
+
+def review_frame(review, reference=None, clauses: list[str] | None = None) -> pl.DataFrame:
+    """One row per (turn, clause) of a `Review`: verdict ("masked" when the reviewer gave none),
+    its reason, and with a `reference` review (the judge) the reference verdict and agreement."""
+    ref = {(v.turn, v.clause): v for v in reference.verdicts} if reference is not None else {}
+    order = {c: k for k, c in enumerate(clauses or review.clauses)}
+    rows = []
+    for v in review.verdicts:
+        r = ref.get((v.turn, v.clause))
+        rows.append(
+            {
+                "turn": v.turn,
+                "clause": v.clause,
+                "order": order.get(v.clause, len(order)),
+                "verdict": v.verdict or "masked",
+                "reason": v.reason,
+                "reference": (r.verdict or "masked") if r else "",
+                "reference_reason": r.reason if r else "",
+                "agree": (r is None) or (r.verdict == v.verdict),
+            }
+        )
+    return pl.DataFrame(
+        rows,
+        schema={
+            "turn": pl.Int64,
+            "clause": pl.String,
+            "order": pl.Int64,
+            "verdict": pl.String,
+            "reason": pl.String,
+            "reference": pl.String,
+            "reference_reason": pl.String,
+            "agree": pl.Boolean,
+        },
+    )
+
+
+def review_heatmap(review, reference=None, title: str = "") -> alt.Chart:
+    """A review as a turn × clause grid coloured by verdict, the reasons on hover; with a
+    `reference` (the judge), cells where the two disagree carry a ✗."""
+    df = review_frame(review, reference)
+    sort = df.sort("order")["clause"].unique(maintain_order=True).to_list()
+    x = alt.X("clause:N", sort=sort, title="clause")
+    y = alt.Y("turn:O", title="agent turn")
+    tips = ["turn", "clause", "verdict", "reason"]
+    if reference is not None:
+        tips += [
+            alt.Tooltip("reference:N", title="judge"),
+            alt.Tooltip("reference_reason:N", title="judge's reason"),
+        ]
+    cells = (
+        alt.Chart(df)
+        .mark_rect(stroke="white")
+        .encode(
+            x=x,
+            y=y,
+            color=alt.Color(
+                "verdict:N",
+                scale=alt.Scale(domain=list(VERDICT_COLORS), range=list(VERDICT_COLORS.values())),
+            ),
+            tooltip=tips,
+        )
+    )
+    chart = cells
+    if reference is not None:
+        marks = (
+            alt.Chart(df.filter(~pl.col("agree")))
+            .mark_text(fontSize=16, fontWeight="bold", color="black")
+            .encode(x=x, y=y, text=alt.value("✗"), tooltip=tips)
+        )
+        chart = cells + marks
+    return chart.properties(
+        width=alt.Step(34), height=alt.Step(26), title=title or "review: turn × clause"
+    )
+
+
+def clause_bars(df: pl.DataFrame, value: str = "value", series: str = "series") -> alt.Chart:
+    """Grouped bars per clause (e.g. accuracy of greedy vs voted reviews, or accuracy vs
+    accuracy on pass/violate cells). `df` has clause, `series` and `value` in [0, 1]."""
+    return (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            x=alt.X("clause:N", title="clause"),
+            xOffset=alt.XOffset(f"{series}:N"),
+            y=alt.Y(f"{value}:Q", title="agreement", scale=alt.Scale(domain=[0, 1])),
+            color=alt.Color(f"{series}:N", title=None),
+            tooltip=["clause", series, alt.Tooltip(f"{value}:Q", format=".1%")],
+        )
+        .properties(width=alt.Step(14), height=200)
+    )
