@@ -393,3 +393,89 @@ def clause_bars(df: pl.DataFrame, value: str = "value", series: str = "series") 
         )
         .properties(width=alt.Step(14), height=200)
     )
+
+
+# ------------------------------------------------------------ training runs (notebook 05, report)
+
+
+def long_metrics(metrics: pl.DataFrame, names: list[str], x: str = "iteration") -> pl.DataFrame:
+    """Wide run metrics (one column per metric) → rows of (x, metric, value) for `names`."""
+    present = [n for n in names if n in metrics.columns]
+    if not present:
+        return pl.DataFrame(schema={x: pl.Float64, "metric": pl.String, "value": pl.Float64})
+    return (
+        metrics.select([pl.col(x).cast(pl.Float64)] + [pl.col(n).cast(pl.Float64) for n in present])
+        .unpivot(index=x, variable_name="metric", value_name="value")
+        .drop_nulls("value")
+    )
+
+
+def run_curves(
+    metrics: pl.DataFrame,
+    names: list[str],
+    title: str = "",
+    x: str = "iteration",
+    width: int = 420,
+    height: int = 200,
+) -> alt.Chart:
+    """Metrics of one run over iterations, one line per metric name."""
+    df = downsample(long_metrics(metrics, names, x))
+    return (
+        alt.Chart(df, title=title)
+        .mark_line(point=df.height < 200)
+        .encode(
+            x=alt.X(f"{x}:Q", title=x),
+            y=alt.Y("value:Q", title=None),
+            color=alt.Color("metric:N", sort=names),
+            tooltip=["metric", x, alt.Tooltip("value:Q", format=".3f")],
+        )
+        .properties(width=width, height=height)
+    )
+
+
+def clause_curves(metrics: pl.DataFrame, prefix: str = "judge/", title: str = "") -> alt.Chart:
+    """Per-clause pass rates over iterations (`<prefix><clause>_pass_rate` columns)."""
+    names = sorted(c for c in metrics.columns if c.startswith(prefix) and c.endswith("_pass_rate"))
+    df = long_metrics(metrics, names).with_columns(
+        pl.col("metric").str.strip_prefix(prefix).str.strip_suffix("_pass_rate").alias("clause")
+    )
+    return (
+        alt.Chart(downsample(df), title=title or f"pass rate per clause ({prefix.rstrip('/')})")
+        .mark_line()
+        .encode(
+            x="iteration:Q",
+            y=alt.Y("value:Q", title="pass rate", scale=alt.Scale(domain=[0, 1])),
+            color="clause:N",
+            tooltip=["clause", "iteration", alt.Tooltip("value:Q", format=".2f")],
+        )
+        .properties(width=420, height=220)
+    )
+
+
+def compare_runs(
+    runs: dict[str, pl.DataFrame], metric: str, x: str = "episodes", title: str = ""
+) -> alt.Chart:
+    """One metric for several runs (e.g. mapo vs grpo) against episodes seen."""
+    frames = [
+        df.select(
+            pl.col(x).cast(pl.Float64), pl.col(metric).cast(pl.Float64).alias("value")
+        ).with_columns(pl.lit(name).alias("run"))
+        for name, df in runs.items()
+        if metric in df.columns and x in df.columns
+    ]
+    df = (
+        pl.concat(frames)
+        if frames
+        else pl.DataFrame(schema={x: pl.Float64, "value": pl.Float64, "run": pl.String})
+    )
+    return (
+        alt.Chart(downsample(df), title=title or metric)
+        .mark_line(point=True)
+        .encode(
+            x=alt.X(f"{x}:Q", title=x.replace("_", " ")),
+            y=alt.Y("value:Q", title=metric),
+            color="run:N",
+            tooltip=["run", x, alt.Tooltip("value:Q", format=".3f")],
+        )
+        .properties(width=420, height=220)
+    )

@@ -1,0 +1,835 @@
+"""The training loop: personal constitutions → rollouts → GRM reviews → buffer → MAPO → evaluation.
+
+Seed 000 (step 7 and its pseudo-code) and seed 001 (§8) chain the stages into one iteration:
+
+    sample tasks and profiles → personalise (cached) → roll out K samples per task
+    → review every trajectory (GRM, batched) → local rewards per turn, global reward per episode
+    → replay buffer → advantages (any preset of kitchen.mapo) → REINFORCE + KL → optimiser step
+    → (every few iterations) independent evaluation with the rule judge
+
+A run is described by a declarative `Recipe` (YAML; `kitchen cook RECIPE`) and writes to
+`runs/<name>/`:
+
+    recipe.yaml          the recipe as resolved (defaults filled in)
+    metrics.parquet      one row per iteration, namespaced metric columns (polars)
+    samples.jsonl        a few trajectories per iteration with their reviews and advantages
+    eval.jsonl           evaluation reports
+    checkpoints/it-NNNN/ the policy adapter (peft format), optimiser, buffer, RNG and loop state
+    checkpoints/latest   the name of the newest complete checkpoint
+
+Checkpoints are written to a temporary folder and renamed into place, then `latest` is replaced
+atomically, so a crash or a kill at any moment leaves the previous checkpoint intact.
+`kitchen cook --resume runs/<name>` restarts from the newest checkpoint; since every random draw
+of an iteration is seeded by (recipe seed, iteration), the resumed run reaches the same result as
+an uninterrupted one.
+
+The KL reference is the policy's base with its adapter switched off (`models.adapters_disabled`):
+no second copy of the weights. On one GPU the GRM may be a second adapter on the same base
+(`grm.adapter`).
+
+Departures from the seeds:
+1. Turns on which no clause gives a verdict (e.g. a search for a request that named its cuisine),
+   and turns whose verdicts the GRM failed to produce, carry no local signal: their local
+   advantage is 0 and they stay out of the state-group statistics; only the global advantage
+   moves them (DESIGN: "no reward signal, not a zero").
+2. Truncated turns (token budget hit) and turns the axiom guard replaced are never trained on.
+3. An "entropy collapse" alarm (seed 000 §6.1: entropy must not plunge) fires when the policy's
+   mean token entropy drops below `entropy_alarm` × its value at the first iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import Field, field_validator
+
+from kitchen import paths
+from kitchen.buffer import BufferConfig, ReplayBuffer
+from kitchen.config import KitchenError, StrictModel, read_yaml, validate_doc
+from kitchen.constitution import PersonalConstitution, PersonalizationCache, load_constitution
+from kitchen.evaluate import EvalConfig, policy_report, reward_gap
+from kitchen.files import atomic_write_bytes, atomic_write_text, write_jsonl
+from kitchen.grm import GRMConfig
+from kitchen.judge import judge
+from kitchen.mapo import AdvantageConfig, advantages, mapo_loss, preset, returns_for
+from kitchen.models import LoraSpec, ModelSpec
+from kitchen.review import Review, clause_pass_rates, global_reward, turn_rewards
+from kitchen.rollout import RolloutConfig, render_prompt, rollout
+from kitchen.world import Task, Trajectory, fitting, generate_tasks, load_menu, load_split
+
+
+class AdvantageChoice(StrictModel):
+    """A preset of `kitchen.mapo.PRESETS` and the fields to change in it."""
+
+    preset: str = Field(
+        "mapo",
+        description="grpo, dr_grpo, rloo, reinforce_pp, gigpo, "
+        "mapo_paper or mapo. Default mapo (the seeds' method).",
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Fields of `AdvantageConfig` to change, e.g. {beta: 0.02}.",
+    )
+
+    def resolve(self) -> AdvantageConfig:
+        try:
+            return preset(self.preset, **self.overrides)
+        except KeyError as e:
+            raise ValueError(str(e).strip("'\"")) from None
+
+
+class RewardConfig(StrictModel):
+    reviewer: Literal["grm", "judge"] = Field(
+        "grm",
+        description="Who reviews for the training reward: the GRM (the method), or the "
+        "rule judge (an oracle, for ablations: it measures what a perfect GRM would give).",
+    )
+    local_mode: Literal["mean", "sum"] = Field("mean", description="See kitchen.review.")
+    global_blend: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="λ in R = (1−λ)·success + λ·[overall pass]. 0: the world's outcome only.",
+    )
+
+
+class TrainConfig(StrictModel):
+    iterations: int = Field(30, ge=1, description="Rollout → update cycles.")
+    tasks_per_iteration: int = Field(
+        4,
+        ge=1,
+        description="(task, profile) jobs per iteration; each is played K times (rollout.k).",
+    )
+    task_pool: int = Field(
+        200,
+        ge=1,
+        description="Training tasks drawn once; jobs sample from "
+        "them, so states recur and the buffer's state groups fill.",
+    )
+    lr: float = Field(
+        2e-4,
+        gt=0,
+        description="AdamW learning rate of the LoRA adapter. 2e-4: "
+        "the QLoRA paper's value; seed 000 FAQ 4 says lower it if training wobbles.",
+    )
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0, description="Max gradient norm.")
+    minibatch: int = Field(64, ge=1, description="Step samples per optimiser step.")
+    epochs: int = Field(
+        1,
+        ge=1,
+        description="Passes over an iteration's step samples. 1 keeps "
+        "the update on-policy (REINFORCE's assumption).",
+    )
+    entropy_alarm: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="Alarm when mean entropy falls below this fraction of its first value.",
+    )
+
+
+class Recipe(StrictModel):
+    """Everything a training run needs, in one YAML file (`kitchen cook RECIPE`)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Run name: runs/<name>/.")
+    seed: int = 0
+    policy: ModelSpec = Field(
+        default_factory=lambda: ModelSpec(path="data/models/policy-tiny", lora=LoraSpec()),
+        description="The policy: the shipped tiny SFT checkpoint by default, with a fresh LoRA "
+        "adapter (the KL reference is the base with the adapter off).",
+    )
+    grm: GRMConfig = Field(default_factory=GRMConfig)
+    constitution: str = Field("constitutions/concierge.yaml")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    advantage: AdvantageChoice = Field(default_factory=AdvantageChoice)
+    buffer: BufferConfig = Field(default_factory=lambda: BufferConfig(max_age=8, dedup=True))
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(tasks=12, samples=1))
+    eval_every: int = Field(
+        10,
+        ge=0,
+        description="Evaluate every N iterations (0: never; the "
+        "last iteration is always evaluated when > 0).",
+    )
+    checkpoint_every: int = Field(5, ge=1)
+    samples_per_iteration: int = Field(
+        4, ge=0, description="Trajectories logged to samples.jsonl per iteration."
+    )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads for torch (None: torch's default, one per core). "
+        "The tiny models' small matrices gain little from threads and lose a lot when another "
+        "process holds a core: 1 was 5-8x faster than 2 on a busy 2-core machine.",
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _needs_adapter(cls, v: ModelSpec) -> ModelSpec:
+        if v.lora is None:
+            raise ValueError(
+                "the policy needs `lora:` — the KL reference is its base with the "
+                "adapter switched off; add `lora: {}` for the defaults"
+            )
+        return v
+
+
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    """Read and validate a recipe YAML (errors name file, line and field)."""
+    doc = read_yaml(path)
+    recipe = validate_doc(Recipe, doc)
+    try:
+        recipe.advantage.resolve()
+    except ValueError as e:
+        raise KitchenError([doc.problem(("advantage",), str(e))]) from None
+    return recipe
+
+
+def recipe_schema() -> dict[str, Any]:
+    return Recipe.model_json_schema(by_alias=True)
+
+
+def _home(path: str) -> str:
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (paths.HOME / p).exists():
+        return str(paths.HOME / p)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Step samples
+
+
+def step_rows(
+    trajs: Sequence[Trajectory],
+    reviews: Sequence[Review],
+    pcs: Sequence[PersonalConstitution],
+    cfg: AdvantageConfig,
+    reward: RewardConfig,
+    group_of: Callable[[int], str],
+) -> dict[str, Any]:
+    """Flatten trajectories into step samples with their rewards and returns.
+
+    Returns columns (lists, one entry per trainable turn): traj index, turn, exact and abstract
+    keys, task group, tokens, log-probs, local reward, validity, step return, global reward.
+    """
+    rows: dict[str, list] = {
+        k: []
+        for k in (
+            "i",
+            "turn",
+            "state",
+            "abstract",
+            "task_group",
+            "traj",
+            "tokens",
+            "logp",
+            "local",
+            "valid",
+            "ret",
+            "global",
+        )
+    }
+    for i, (t, r, pc) in enumerate(zip(trajs, reviews, pcs, strict=True)):
+        local, valid, _ = turn_rewards(r, pc, reward.local_mode)
+        g = global_reward(t.outcome.success if t.outcome else 0, r, reward.global_blend)
+        n = len(t.turns)
+        if n == 0:
+            continue
+        local_t = torch.tensor([x if v else 0.0 for x, v in zip(local, valid, strict=True)])
+        ret = returns_for(cfg, local_t[None, :], torch.tensor([g]))[0]  # [n]
+        for ti in t.turns:
+            if ti.tokens is None or ti.truncated or ti.guarded or not ti.tokens:
+                continue
+            rows["i"].append(i)
+            rows["turn"].append(ti.turn)
+            rows["state"].append(ti.exact_key)
+            rows["abstract"].append(ti.abstract_key)
+            rows["task_group"].append(group_of(i))
+            rows["traj"].append(t.id)
+            rows["tokens"].append(ti.tokens)
+            rows["logp"].append(ti.logprobs)
+            rows["local"].append(float(local_t[ti.turn]))
+            rows["valid"].append(bool(valid[ti.turn]))
+            rows["ret"].append(float(ret[ti.turn]))
+            rows["global"].append(float(g))
+    return rows
+
+
+def sequences(
+    tok: Any, prompts: Sequence[str], actions: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+action ids [B, T], attention mask [B, T], and the action-token mask
+    aligned with `token_logprobs`' output [B, T-1] (position t scores token t+1)."""
+    ids, act = [], []
+    for p, a in zip(prompts, actions, strict=True):
+        pid = tok(p, add_special_tokens=False)["input_ids"]
+        ids.append(pid + list(a))
+        act.append([0] * (len(pid) - 1) + [1] * len(a))
+    width = max(map(len, ids))
+    pad = tok.pad_token_id
+    input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids], device=device)
+    attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids], device=device)
+    action = torch.tensor([x + [0] * (width - 1 - len(x)) for x in act], device=device)
+    return input_ids, attn, action.bool()
+
+
+def gather_actions(values: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack the action positions of `values` [B, T-1] to the left: ([B, L], mask [B, L])."""
+    lengths = action.sum(-1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    order = torch.argsort((~action).int(), dim=-1, stable=True)[:, :width]  # action positions first
+    packed = values.gather(-1, order)
+    mask = torch.arange(width, device=values.device)[None, :] < lengths[:, None]
+    return packed * mask, mask
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+class Run:
+    """One training run: state, one iteration at a time, checkpoints."""
+
+    def __init__(
+        self, recipe: Recipe, folder: str | os.PathLike | None = None, *, progress: bool = True
+    ):
+        from kitchen.models import load_model
+
+        self.recipe = recipe
+        self.folder = Path(folder) if folder else paths.RUNS / recipe.name
+        self.progress = progress
+        self.adv_cfg = recipe.advantage.resolve()
+        self.constitution = load_constitution(_home(recipe.constitution))
+        self.cache = PersonalizationCache()
+        self.menu = load_menu()
+        spec = recipe.policy.model_copy(update={"path": _home(recipe.policy.path)})
+        if recipe.torch_threads:
+            torch.set_num_threads(recipe.torch_threads)
+        torch.manual_seed(recipe.seed)
+        self.model, self.tok = load_model(spec)
+        self.adapter = spec.lora.name
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(
+            params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay
+        )
+        self.buffer = ReplayBuffer(recipe.buffer)
+        self.grm = self._load_grm() if recipe.reward.reviewer == "grm" else None
+        self.iteration = 0
+        self.updates = 0
+        self.first_entropy: float | None = None
+        self.metrics: list[dict[str, Any]] = []
+        self.trajs: dict[str, tuple[Trajectory, PersonalConstitution]] = {}
+        self.pool = self._task_pool()
+        # the last iteration's episodes, reviews and per-turn advantages (notebooks browse them)
+        self.last: dict[str, Any] = {}
+
+    def _load_grm(self) -> Any:
+        """The GRM: its own checkpoint, or (on one GPU) a second adapter on the policy's base."""
+        from kitchen.grm import GRM
+        from kitchen.models import add_adapter, load_adapter
+
+        cfg = self.recipe.grm.model_copy(update={"model": _home(self.recipe.grm.model)})
+        if not cfg.adapter:
+            return GRM.load(cfg)
+        folder = Path(cfg.model)
+        if (folder / "adapter_config.json").exists():
+            self.model = load_adapter(self.model, folder, cfg.adapter, trainable=False)
+        else:  # no trained GRM adapter given: a fresh one (for sizing and speed runs only)
+            self.model = add_adapter(self.model, cfg.adapter)
+        from kitchen.models import use_adapter
+
+        use_adapter(self.model, self.adapter)  # the policy stays the trained adapter
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(
+            params, lr=self.recipe.train.lr, weight_decay=self.recipe.train.weight_decay
+        )
+        return GRM(self.model, self.tok, cfg)
+
+    # -- data -------------------------------------------------------------------------------
+
+    def _task_pool(self) -> list[tuple[Task, Any]]:
+        from kitchen.profile import load_profiles, redact
+
+        train_ids = set(load_split("train"))
+        profiles = [p for p in load_profiles(paths.PROFILES) if p.id in train_ids]
+        rng = random.Random(f"pool:{self.recipe.seed}")
+        pool = []
+        for task in generate_tasks(self.recipe.train.task_pool * 3, seed=self.recipe.seed):
+            if len(pool) == self.recipe.train.task_pool:
+                break
+            p = rng.choice(profiles)
+            pc = self.cache.get(self.constitution, p)
+            real = {k: v.value for k, v in redact(p).dimensions.items()}
+            diner = pc.dimensions | {k: v for k, v in real.items() if k in pc.dimensions}
+            if fitting(
+                self.menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"
+            ):
+                pool.append((task, p, diner))
+        return pool
+
+    def _jobs(self, it: int) -> list[tuple[Task, PersonalConstitution, dict]]:
+        rng = random.Random(f"jobs:{self.recipe.seed}:{it}")
+        picks = rng.sample(self.pool, min(self.recipe.train.tasks_per_iteration, len(self.pool)))
+        return [(t, self.cache.get(self.constitution, p), d) for t, p, d in picks]
+
+    # -- one iteration ----------------------------------------------------------------------
+
+    def step(self) -> dict[str, Any]:
+        """Run one iteration; returns its metrics row."""
+        r, it = self.recipe, self.iteration
+        torch.manual_seed(r.seed * 100_003 + it)  # dropout, minibatch order: replayable
+        m: dict[str, Any] = {"iteration": it}
+        jobs = self._jobs(it)
+        trajs, rstats = rollout(
+            self.model,
+            self.tok,
+            jobs,
+            r.rollout,
+            seed=r.seed * 10_007 + it,
+            menu=self.menu,
+            group_prefix=f"it{it}:",
+        )
+        pcs = [pc for _, pc, _ in jobs for _ in range(r.rollout.k)]
+        m |= {
+            "speed/rollout_tokens_per_s": rstats.tokens_per_second,
+            "rollout/truncated_frac": rstats.truncated / max(rstats.turns, 1),
+            "rollout/turns_mean": rstats.turns / max(len(trajs), 1),
+        }
+
+        t0 = time.perf_counter()
+        judged = [judge(t, pc, self.menu) for t, pc in zip(trajs, pcs, strict=True)]
+        if self.grm is not None:
+            reviews = self.grm.review(trajs, pcs)
+            m["grm/parsed"] = statistics.fmean(x.parsed_fraction for x in reviews)
+            m["grm/flagged_frac"] = statistics.fmean(bool(x.flags) for x in reviews)
+            m["reward/gap_grm_minus_judge"] = reward_gap(reviews, judged, pcs)
+        else:
+            reviews = judged
+        review_s = time.perf_counter() - t0
+        m["speed/reviews_per_s"] = len(trajs) / review_s if review_s else 0.0
+
+        rows = step_rows(
+            trajs, reviews, pcs, self.adv_cfg, r.reward, lambda i: f"it{it}:job{i // r.rollout.k}"
+        )
+        success = [t.outcome.success if t.outcome else 0 for t in trajs]
+        globals_ = [
+            global_reward(s, x, r.reward.global_blend)
+            for s, x in zip(success, reviews, strict=True)
+        ]
+        local_valid = [x for x, v in zip(rows["local"], rows["valid"], strict=True) if v]
+        m |= {
+            "reward/global_mean": statistics.fmean(globals_),
+            "reward/global_var": statistics.pvariance(globals_),
+            "reward/local_mean": statistics.fmean(local_valid) if local_valid else 0.0,
+            "reward/local_var": statistics.pvariance(local_valid) if local_valid else 0.0,
+            "reward/local_valid_frac": statistics.fmean(rows["valid"]) if rows["valid"] else 0.0,
+            "episode/success": statistics.fmean(success),
+            "episode/turns": statistics.fmean(len(t.turns) for t in trajs),
+        }
+        m |= {f"clause/{c}_pass_rate": v for c, v in clause_pass_rates(reviews).items()}
+        m |= {f"judge/{c}_pass_rate": v for c, v in clause_pass_rates(judged).items()}
+        judge_report = policy_report(trajs, pcs, judged)
+        m["judge/compliance"] = judge_report.compliance
+        m["judge/axiom_violations"] = judge_report.axiom_violations
+
+        self.last = {
+            "trajectories": trajs,
+            "reviews": reviews,
+            "judged": judged,
+            "pcs": pcs,
+            "advantages": {},
+        }
+        if rows["i"]:
+            m |= self._update(rows, trajs, pcs, it)
+        self.buffer.advance(it + 1)
+        m |= {"buffer/size": len(self.buffer)} | {
+            f"buffer/evicted_{k}": v for k, v in self.buffer.evicted.items()
+        }
+        if r.samples_per_iteration:
+            self._log_samples(trajs, reviews, pcs, it)
+        self.iteration += 1
+        self.metrics.append(m)
+        return m
+
+    def _update(
+        self,
+        rows: dict[str, Any],
+        trajs: Sequence[Trajectory],
+        pcs: Sequence[PersonalConstitution],
+        it: int,
+    ) -> dict[str, Any]:
+        from kitchen.models import adapters_disabled, token_logprobs
+
+        r, cfg = self.recipe, self.adv_cfg
+        for i, t in enumerate(trajs):
+            self.trajs[t.id] = (t, pcs[i])
+        fresh_rows = self.buffer.add(
+            state=rows["state"],
+            abstract=rows["abstract"],
+            tokens=rows["tokens"],
+            logp=rows["logp"],
+            local_reward=rows["local"],
+            ret=rows["ret"],
+            global_reward=rows["global"],
+            task_group=rows["task_group"],
+            traj=rows["traj"],
+            turn=rows["turn"],
+            version=it,
+            valid=rows["valid"],
+        )
+        by = cfg.state_key
+        if cfg.use_buffer:
+            all_rows, fresh = self.buffer.with_history(
+                fresh_rows, by=by, whole_task_groups=cfg.replay_in_gradient
+            )
+        else:
+            all_rows, fresh = fresh_rows, torch.ones(fresh_rows.numel(), dtype=torch.bool)
+        batch = self.buffer.batch(all_rows, by=by, fresh=fresh)
+        adv, metrics = advantages(batch, cfg, step=it)  # α's schedule counts iterations
+        grad_rows = all_rows[fresh | torch.tensor(cfg.replay_in_gradient)]
+        grad_adv = adv[fresh | torch.tensor(cfg.replay_in_gradient)]
+        self.buffer.set_priority(all_rows, adv)
+        fresh_keys = self.buffer.keys_of(all_rows[fresh], "traj")
+        fresh_turns = self.buffer.column("turn", all_rows[fresh]).tolist()
+        self.last["advantages"] = {
+            (k, t): float(a)
+            for k, t, a in zip(fresh_keys, fresh_turns, adv[fresh].tolist(), strict=True)
+        }
+
+        keys = self.buffer.keys_of(grad_rows, "traj")
+        turns = self.buffer.column("turn", grad_rows).tolist()
+        prompts = []
+        for key, turn in zip(keys, turns, strict=True):
+            t, _ = self.trajs[key]
+            prompts.append(render_prompt(self.tok, t.prompt_messages(turn)))
+        actions, _ = self.buffer.padded(grad_rows, "tokens")
+        lengths = self.buffer.column("tok_len", grad_rows).tolist()
+        actions = [a[:n].tolist() for a, n in zip(actions, lengths, strict=True)]
+        old, _ = self.buffer.padded(grad_rows, "logp")
+
+        self.model.train()
+        dev = self.model.device
+        n = len(prompts)
+        tokens_seen = 0
+        t0 = time.perf_counter()
+        stats: dict[str, list[float]] = {}
+        for _ in range(r.train.epochs):
+            order = torch.randperm(n)
+            for s in range(0, n, r.train.minibatch):
+                idx = order[s : s + r.train.minibatch].tolist()
+                ids, attn, act = sequences(
+                    self.tok, [prompts[i] for i in idx], [actions[i] for i in idx], dev
+                )
+                logp_all, ent_all = token_logprobs(self.model, ids, attn)
+                with torch.no_grad(), adapters_disabled(self.model):
+                    ref_all, _ = token_logprobs(self.model, ids, attn)
+                logp, mask = gather_actions(logp_all, act)
+                ref, _ = gather_actions(ref_all, act)
+                ent, _ = gather_actions(ent_all, act)
+                old_mb = old[idx][:, : logp.shape[1]].to(dev)
+                loss, lm = mapo_loss(
+                    logp,
+                    grad_adv[idx].to(dev),
+                    mask.float(),
+                    ref_logp=ref,
+                    old_logp=old_mb if cfg.replay_in_gradient else None,
+                    is_cap=cfg.is_cap if cfg.replay_in_gradient else None,
+                    **cfg.loss_kwargs(),
+                )
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gn = torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.requires_grad], r.train.grad_clip
+                )
+                self.opt.step()
+                self.updates += 1
+                tokens_seen += int(attn.sum())
+                lm["policy/entropy"] = (ent * mask).sum().item() / max(mask.sum().item(), 1)
+                lm["policy/grad_norm"] = float(gn)
+                if "kl/mean" not in lm:  # beta = 0: still report how far the policy moved
+                    lm["kl/mean"] = float(
+                        ((logp.detach() - ref) * mask).sum() / mask.sum().clamp(min=1)
+                    )
+                for k, v in lm.items():
+                    stats.setdefault(k, []).append(v)
+        out = {k: statistics.fmean(v) for k, v in stats.items()} | metrics
+        out["speed/update_tokens_per_s"] = tokens_seen / max(time.perf_counter() - t0, 1e-9)
+        out["train/step_samples"] = n
+        ent = out.get("policy/entropy", 0.0)
+        if self.first_entropy is None:
+            self.first_entropy = ent
+        out["alarm/entropy_collapse"] = float(
+            ent < self.recipe.train.entropy_alarm * self.first_entropy
+        )
+        return out
+
+    def _log_samples(
+        self,
+        trajs: Sequence[Trajectory],
+        reviews: Sequence[Review],
+        pcs: Sequence[PersonalConstitution],
+        it: int,
+    ) -> None:
+        rng = random.Random(f"samples:{self.recipe.seed}:{it}")
+        picks = rng.sample(range(len(trajs)), min(self.recipe.samples_per_iteration, len(trajs)))
+        rows = []
+        for i in picks:
+            local, valid, contrib = turn_rewards(reviews[i], pcs[i], self.recipe.reward.local_mode)
+            rows.append(
+                {
+                    "iteration": it,
+                    "trajectory": trajs[i].model_dump(mode="json"),
+                    "review": reviews[i].model_dump(mode="json"),
+                    "local": local,
+                    "valid": valid,
+                    "contributions": contrib,
+                }
+            )
+        write_jsonl(self.folder / "samples.jsonl", rows, append=True)
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, Any]:
+        from kitchen.evaluate import eval_jobs
+
+        cfg = self.recipe.eval
+        jobs = eval_jobs(cfg, self.constitution)
+        rcfg = self.recipe.rollout.model_copy(update={"k": cfg.samples})
+        trajs, _ = rollout(
+            self.model, self.tok, jobs, rcfg, seed=cfg.seed, menu=self.menu, group_prefix="eval:"
+        )
+        pcs = [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
+        rep = policy_report(trajs, pcs)
+        row = {"iteration": self.iteration, **rep.model_dump(mode="json")}
+        write_jsonl(self.folder / "eval.jsonl", [row], append=True)
+        out = {
+            "eval/success": rep.success,
+            "eval/compliance": rep.compliance,
+            "eval/axiom_violations": rep.axiom_violations,
+            "eval/valid_actions": rep.valid_actions,
+        }
+        out |= {f"eval/{c}_pass_rate": v for c, v in rep.clause_pass.items()}
+        return out
+
+    # -- persistence ------------------------------------------------------------------------
+
+    def write_metrics(self) -> None:
+        import io
+
+        import polars as pl
+
+        frame = pl.DataFrame(self.metrics, infer_schema_length=None)
+        buf = io.BytesIO()
+        frame.write_parquet(buf)
+        atomic_write_bytes(self.folder / "metrics.parquet", buf.getvalue())
+
+    def save(self) -> Path:
+        """Write a complete checkpoint atomically and point `latest` at it."""
+        import io
+
+        from kitchen.models import save_adapter
+
+        ck = self.folder / "checkpoints"
+        name = f"it-{self.iteration:04d}"
+        tmp = ck / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_adapter(self.model, self.adapter, tmp / "adapter")
+        state = {
+            "optimizer": self.opt.state_dict(),
+            "buffer": self.buffer,
+            "updates": self.updates,
+            "iteration": self.iteration,
+            "first_entropy": self.first_entropy,
+            "metrics": self.metrics,
+            "trajs": {
+                k: (t.model_dump(mode="json"), pc.model_dump(mode="json"))
+                for k, (t, pc) in self._live_trajs().items()
+            },
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        blob = io.BytesIO()
+        torch.save(state, blob)
+        atomic_write_bytes(tmp / "state.pt", blob.getvalue())
+        final = ck / name
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        atomic_write_text(ck / "latest", name + "\n")
+        for old in sorted(ck.glob("it-*"))[:-2]:  # keep the newest two
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _live_trajs(self) -> dict[str, tuple[Trajectory, PersonalConstitution]]:
+        """Trajectories some live buffer record still points at (for prompts on replay)."""
+        live = set(self.buffer.keys_of(self.buffer.rows(), "traj")) if len(self.buffer) else set()
+        self.trajs = {k: v for k, v in self.trajs.items() if k in live}
+        return self.trajs
+
+    def load(self, checkpoint: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = torch.load(checkpoint / "state.pt", weights_only=False)
+        weights = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+        set_peft_model_state_dict(self.model, weights, adapter_name=self.adapter)
+        self.opt.load_state_dict(state["optimizer"])
+        self.buffer = state["buffer"]
+        self.updates, self.iteration = state["updates"], state["iteration"]
+        self.first_entropy, self.metrics = state["first_entropy"], state["metrics"]
+        self.trajs = {
+            k: (Trajectory.model_validate(t), PersonalConstitution.model_validate(pc))
+            for k, (t, pc) in state["trajs"].items()
+        }
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+
+def load_run_policy(folder: str | os.PathLike) -> tuple[Any, Any]:
+    """The policy of a run's newest checkpoint: its base with the trained adapter, in eval mode."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from kitchen.models import load_model
+
+    folder = Path(folder)
+    ck = latest_checkpoint(folder)
+    if ck is None:
+        raise KitchenError(f"{folder}: no checkpoint yet; run `kitchen cook` first")
+    recipe = load_recipe(folder / "recipe.yaml")
+    spec = recipe.policy.model_copy(update={"path": _home(recipe.policy.path)})
+    model, tok = load_model(spec)
+    weights = load_file(str(ck / "adapter" / "adapter_model.safetensors"))
+    set_peft_model_state_dict(model, weights, adapter_name=spec.lora.name)
+    model.eval()
+    return model, tok
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    pointer = folder / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    ck = folder / "checkpoints" / pointer.read_text().strip()
+    return ck if (ck / "state.pt").exists() else None
+
+
+def cook(
+    recipe: Recipe | None = None,
+    *,
+    resume: str | os.PathLike | None = None,
+    progress: bool = True,
+    on_iteration: Callable[[Run, dict], None] | None = None,
+) -> Run:
+    """Run a recipe to the end (or continue the run in `resume`); returns the finished `Run`."""
+    from tqdm.auto import tqdm
+
+    if resume is not None:
+        folder = Path(resume)
+        if not (folder / "recipe.yaml").exists():
+            raise KitchenError(f"{folder}: not a run folder (no recipe.yaml); give runs/<name>")
+        saved = load_recipe(folder / "recipe.yaml")
+        if recipe is not None and recipe.model_dump() != saved.model_dump():
+            raise KitchenError(
+                f"{folder}: the recipe differs from the run being resumed; resume "
+                "without a recipe, or start a new run name"
+            )
+        recipe = saved
+        run = Run(recipe, folder, progress=progress)
+        ck = latest_checkpoint(folder)
+        if ck is not None:
+            run.load(ck)
+    else:
+        if recipe is None:
+            raise KitchenError("give a recipe, or --resume runs/<name>")
+        folder = paths.RUNS / recipe.name
+        if latest_checkpoint(folder) is not None:
+            raise KitchenError(
+                f"{folder} already holds a run; continue it with "
+                f"`kitchen cook --resume {folder}` or choose another name"
+            )
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        atomic_write_text(
+            folder / "recipe.yaml",
+            yaml.safe_dump(recipe.model_dump(mode="json", by_alias=True), sort_keys=False),
+        )
+        run = Run(recipe, folder, progress=progress)
+    r = run.recipe
+    # a crash after the last checkpoint may have left rows of later iterations in the logs
+    _truncate_log(run.folder / "samples.jsonl", run.iteration)
+    _truncate_log(run.folder / "eval.jsonl", run.iteration, inclusive=True)
+    bar = tqdm(
+        total=r.train.iterations,
+        initial=run.iteration,
+        desc=f"cook {r.name}",
+        disable=not progress,
+        unit="it",
+    )
+    while run.iteration < r.train.iterations:
+        m = run.step()
+        last = run.iteration == r.train.iterations
+        if r.eval_every and (run.iteration % r.eval_every == 0 or last):
+            m |= run.evaluate()
+        run.write_metrics()
+        if run.iteration % r.checkpoint_every == 0 or last:
+            run.save()
+        if on_iteration:
+            on_iteration(run, m)
+        bar.update(1)
+        bar.set_postfix(
+            {
+                k.split("/")[-1]: f"{m[k]:.3f}"
+                for k in ("reward/global_mean", "reward/local_mean", "kl/mean", "policy/entropy")
+                if k in m and isinstance(m[k], float) and math.isfinite(m[k])
+            }
+        )
+        if m.get("alarm/entropy_collapse"):
+            bar.write(
+                f"iteration {m['iteration']}: policy entropy collapsed below "
+                f"{r.train.entropy_alarm:.0%} of its start (see troubleshooting)"
+            )
+    bar.close()
+    return run
+
+
+def _truncate_log(path: Path, iteration: int, inclusive: bool = False) -> None:
+    """Drop rows written after the checkpoint we resumed from."""
+    from kitchen.files import read_jsonl
+
+    if not path.exists():
+        return
+    keep = [
+        row
+        for row in read_jsonl(path)
+        if row.get("iteration", 0) < iteration or (inclusive and row["iteration"] == iteration)
+    ]
+    atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in keep))
+
+
+def cook_main(recipe_path: str | None, *, resume: str | None = None) -> int:
+    """`kitchen cook RECIPE` / `kitchen cook --resume runs/<name>`."""
+    recipe = load_recipe(recipe_path) if recipe_path else None
+    run = cook(recipe, resume=resume)
+    last = run.metrics[-1] if run.metrics else {}
+    print(
+        f"{run.folder}: {run.iteration} iterations; "
+        + ", ".join(
+            f"{k} {last[k]:.3f}"
+            for k in ("reward/global_mean", "judge/compliance", "eval/success", "eval/compliance")
+            if isinstance(last.get(k), float)
+        )
+    )
+    return 0

@@ -1,0 +1,277 @@
+import marimo
+
+__generated_with = "0.25.2"
+app = marimo.App(width="medium")
+
+
+@app.cell(hide_code=True)
+def _(mo):
+    mo.md(r"""
+    # 05 · MAPO: the training loop, live
+
+    Everything so far meets here. One iteration of the loop (seed 000, step 7):
+
+    1. sample tasks and diners, and personalise the constitution for each (cached);
+    2. roll out **K** dialogues per (task, diner) with the policy;
+    3. the **GRM** reviews every turn against every clause → a *local* reward per turn;
+       the world's outcome → a *global* reward per dialogue;
+    4. the step samples go into the **replay buffer**;
+    5. **advantages**: the local reward z-scored among samples in the same state (now and from
+       the buffer), the global one within the task group, mixed `α·local + (1−α)·global`;
+    6. **REINFORCE** with a KL penalty to the SFT model (the base with the LoRA adapter off).
+
+    Pick a preset and its knobs, press *train*, and watch per-clause rewards, advantages, KL and
+    entropy move. Below, browse the last iteration's dialogues turn by turn.
+    """)
+    return
+
+
+@app.cell
+def _():
+    import marimo as mo
+    import polars as pl
+
+    from kitchen import charts, notebook
+    from kitchen.mapo import PRESETS
+    from kitchen.review import turn_rewards
+    from kitchen.train import AdvantageChoice, Recipe, Run
+    from kitchen.world import render_transcript
+
+    return (
+        AdvantageChoice,
+        PRESETS,
+        Recipe,
+        Run,
+        charts,
+        mo,
+        notebook,
+        pl,
+        render_transcript,
+        turn_rewards,
+    )
+
+
+@app.cell(hide_code=True)
+def _(mo):
+    mo.md(r"""
+    ## 1 · The knobs
+
+    `grpo` is outcome-only (α = 0). `mapo` adds the step-level term from state groups backed by
+    the buffer, with α growing on a schedule: global first, local later (seed 000 warns that a
+    large local weight invites gaming the reviewer). The reviewer can be the GRM (the method) or
+    the rule judge (an oracle: what a perfect GRM would give).
+    """)
+    return
+
+
+@app.cell
+def _(PRESETS, mo, notebook):
+    preset = mo.ui.dropdown(list(PRESETS), value=notebook.arg("preset", "mapo"), label="preset")
+    alpha0 = mo.ui.slider(0.0, 1.0, step=0.05, value=0.2, label="α start")
+    alpha1 = mo.ui.slider(0.0, 1.0, step=0.05, value=0.5, label="α end")
+    k = mo.ui.slider(2, 16, value=notebook.arg("k", 4), label="K per task")
+    tasks = mo.ui.slider(1, 8, value=notebook.arg("tasks", 2), label="tasks per iteration")
+    iterations = mo.ui.slider(1, 40, value=notebook.arg("iterations", 2), label="iterations")
+    lr = mo.ui.dropdown(["1e-4", "2e-4", "5e-4", "1e-3"], value="5e-4", label="learning rate")
+    beta = mo.ui.slider(0.0, 0.2, step=0.01, value=0.02, label="KL β")
+    reviewer = mo.ui.dropdown(
+        ["grm", "judge"], value=notebook.arg("reviewer", "grm"), label="reviewer"
+    )
+    max_turns = mo.ui.slider(3, 10, value=notebook.arg("max_turns", 6), label="max turns")
+    mo.vstack(
+        [
+            mo.hstack([preset, reviewer, lr]),
+            mo.hstack([alpha0, alpha1, beta]),
+            mo.hstack([k, tasks, iterations, max_turns]),
+        ]
+    )
+    return alpha0, alpha1, beta, iterations, k, lr, max_turns, preset, reviewer, tasks
+
+
+@app.cell
+def _(
+    AdvantageChoice,
+    Recipe,
+    alpha0,
+    alpha1,
+    beta,
+    iterations,
+    k,
+    lr,
+    max_turns,
+    preset,
+    reviewer,
+    tasks,
+):
+    # The controls become a recipe: the same object `kitchen cook RECIPE` reads from YAML.
+    _overrides = {"beta": beta.value}
+    if preset.value == "mapo":
+        _overrides["alpha"] = {
+            "kind": "linear",
+            "alpha0": alpha0.value,
+            "alpha1": alpha1.value,
+            "steps": max(iterations.value, 1),
+        }
+    recipe = Recipe(
+        name=f"nb05-{preset.value}",
+        advantage=AdvantageChoice(preset=preset.value, overrides=_overrides),
+        reward={"reviewer": reviewer.value},
+        rollout={"k": k.value, "max_turns": max_turns.value},
+        train={
+            "iterations": iterations.value,
+            "tasks_per_iteration": tasks.value,
+            "lr": float(lr.value),
+            "task_pool": 40,
+        },
+        eval_every=0,
+        samples_per_iteration=0,
+    )
+    recipe.advantage.resolve().alpha
+    return (recipe,)
+
+
+@app.cell(hide_code=True)
+def _(mo):
+    mo.md(r"""
+    ## 2 · Train
+
+    Training runs in this notebook process (no run folder is written); each iteration appends a
+    row of namespaced metrics (`reward/…`, `adv/…`, `kl/mean`, `policy/entropy`, `clause/…`).
+    """)
+    return
+
+
+@app.cell
+def _(mo):
+    train_button = mo.ui.run_button(label="train")
+    train_button
+    return (train_button,)
+
+
+@app.cell
+def _(Run, charts, mo, notebook, pl, recipe, train_button):
+    history = []
+    run = None
+    if notebook.gate(train_button):
+        import tempfile
+
+        run = Run(recipe, folder=tempfile.mkdtemp(prefix="nb05-"), progress=False)
+        for _ in mo.status.progress_bar(range(recipe.train.iterations), title="iterations"):
+            history.append(run.step())
+            mo.output.replace(
+                charts.run_curves(
+                    pl.DataFrame(history, infer_schema_length=None),
+                    ["reward/global_mean", "reward/local_mean", "judge/compliance"],
+                    "so far",
+                )
+            )
+    metrics = pl.DataFrame(history, infer_schema_length=None) if history else pl.DataFrame()
+    return metrics, run
+
+
+@app.cell(hide_code=True)
+def _(mo):
+    mo.md(r"""
+    ## 3 · What moved
+
+    Per-clause pass rates as the reviewer saw them (`clause/…`) and as the independent judge saw
+    them (`judge/…`); local and global advantage spreads; KL to the reference and the policy's
+    entropy (a plunge means mode collapse — the loop raises `alarm/entropy_collapse`).
+    """)
+    return
+
+
+@app.cell
+def _(charts, metrics, mo):
+    if metrics.is_empty():
+        _out = mo.md("*Press train to see the curves.*")
+    else:
+        _out = mo.vstack(
+            [
+                charts.clause_curves(metrics, "clause/"),
+                charts.run_curves(
+                    metrics,
+                    ["adv/local_std", "adv/global_std", "adv/mixed_abs_mean", "alpha"],
+                    "advantages",
+                ),
+                charts.run_curves(metrics, ["kl/mean", "policy/entropy"], "KL and entropy"),
+            ]
+        )
+    _out
+    return
+
+
+@app.cell(hide_code=True)
+def _(mo):
+    mo.md(r"""
+    ## 4 · Trajectory browser
+
+    The last iteration's dialogues: each turn with its verdicts, its local reward and the
+    advantage the update gave it. A turn without any applicable clause has no local signal
+    (`-`): only the global advantage moves it.
+    """)
+    return
+
+
+@app.cell
+def _(mo, run):
+    n_last = len(run.last["trajectories"]) if run is not None and run.last else 0
+    pick = mo.ui.slider(0, max(n_last - 1, 0), value=0, label="dialogue")
+    pick
+    return (pick,)
+
+
+@app.cell
+def _(mo, pick, pl, render_transcript, run, turn_rewards):
+    browser = pl.DataFrame()
+    if run is None or not run.last:
+        _out = mo.md("*No iteration yet.*")
+    else:
+        _t = run.last["trajectories"][pick.value]
+        _r = run.last["reviews"][pick.value]
+        _local, _valid, _ = turn_rewards(_r, run.last["pcs"][pick.value])
+        browser = pl.DataFrame(
+            [
+                {
+                    "turn": ti.turn,
+                    "action": ti.action.text[:60],
+                    "violations": ", ".join(
+                        v.clause
+                        for v in _r.verdicts
+                        if v.turn == ti.turn and v.verdict == "violate"
+                    ),
+                    "local": round(_local[ti.turn], 3) if _valid[ti.turn] else None,
+                    "advantage": run.last["advantages"].get((_t.id, ti.turn)),
+                }
+                for ti in _t.turns
+            ]
+        )
+        _out = mo.vstack(
+            [
+                mo.md(f"outcome: **{_t.outcome.reason if _t.outcome else '-'}**"),
+                mo.md(f"```text\n{render_transcript(_t)}\n```"),
+                browser,
+            ]
+        )
+    _out
+    return (browser,)
+
+
+@app.cell(hide_code=True)
+def _(mo):
+    mo.md(r"""
+    ## Key points
+
+    - The loop is the seeds' pseudo-code made concrete: personalise → roll out K → review →
+      buffer → group-normalised local and global advantages → REINFORCE + KL.
+    - The KL reference costs no memory: it is the same base with the adapter switched off.
+    - Watch the GRM's view (`clause/…`) against the judge's (`judge/…`): a widening gap is reward
+      hacking (`reward/gap_grm_minus_judge` tracks it every iteration).
+    - Turns no clause speaks to carry no local signal; they learn from the outcome alone.
+    - Next: `06_evaluate.py` — is the trained policy better, on diners it never saw?
+    """)
+    return
+
+
+if __name__ == "__main__":
+    app.run()
