@@ -297,6 +297,90 @@ def gather_actions(values: torch.Tensor, action: torch.Tensor) -> tuple[torch.Te
     return packed * mask, mask
 
 
+Unit = tuple[list[int], list[tuple[int, int, int]]]  # token ids, [(sample, start, length)]
+
+
+def pack_units(tok: Any, items: Sequence[tuple[str, int, str, Sequence[int]]]) -> list[Unit]:
+    """Pack step samples into sequences, one per trajectory where possible.
+
+    `items` are (trajectory key, turn, prompt text, action ids). The turns of one trajectory
+    share their history, so a single sequence — the last prompt plus its action — holds every
+    earlier turn's prompt and action: one forward pass scores them all, instead of re-reading
+    the history once per turn (3–5x fewer tokens on concierge dialogues). That is exact only when
+    each later prompt's tokens start with the earlier prompt's tokens followed by the action ids
+    actually sampled; it is checked, and a trajectory where it fails (e.g. an action re-rendered
+    differently) falls back to one sequence per turn. A span (sample, start, length) locates an
+    action: its tokens are ids[start : start + length].
+    """
+    by_traj: dict[str, list[int]] = {}
+    for i, (key, _, _, _) in enumerate(items):
+        by_traj.setdefault(key, []).append(i)
+    units: list[Unit] = []
+    for members in by_traj.values():
+        members.sort(key=lambda i: items[i][1])
+        merged: list[int] = []
+        spans: list[tuple[int, int, int]] = []
+        ok = True
+        for i in members:
+            prompt = tok(items[i][2], add_special_tokens=False)["input_ids"]
+            action = list(items[i][3])
+            if prompt[: len(merged)] != merged:
+                ok = False
+                break
+            spans.append((i, len(prompt), len(action)))
+            merged = prompt + action
+        if ok:
+            units.append((merged, spans))
+            continue
+        for i in members:
+            prompt = tok(items[i][2], add_special_tokens=False)["input_ids"]
+            units.append((prompt + list(items[i][3]), [(i, len(prompt), len(items[i][3]))]))
+    return units
+
+
+def minibatches(units: Sequence[Unit], order: Sequence[int], size: int) -> list[list[Unit]]:
+    """Consecutive groups of units (in `order`) holding about `size` step samples each."""
+    out: list[list[Unit]] = []
+    cur: list[Unit] = []
+    count = 0
+    for u in order:
+        cur.append(units[u])
+        count += len(units[u][1])
+        if count >= size:
+            out.append(cur)
+            cur, count = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def unit_tensors(units: Sequence[Unit], pad: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [U, T] and attention mask [U, T] of packed units."""
+    width = max(len(ids) for ids, _ in units)
+    ids = torch.full((len(units), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(units), width), dtype=torch.long)
+    for u, (seq, _) in enumerate(units):
+        ids[u, : len(seq)] = torch.tensor(seq)
+        attn[u, : len(seq)] = 1
+    return ids.to(device), attn.to(device)
+
+
+def spans_of(
+    values: torch.Tensor, units: Sequence[Unit]
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Per-step-sample rows of `values` [U, T-1] (as `token_logprobs` returns: position p scores
+    token p+1). Returns (sample indices, [B, L] values at each action's tokens, mask [B, L])."""
+    rows, idx = [], []
+    for u, (_, spans) in enumerate(units):
+        for sample, start, length in spans:
+            rows.append(values[u, start - 1 : start - 1 + length])  # [length]
+            idx.append(sample)
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, L], keeps the graph
+    lengths = torch.tensor([r.shape[0] for r in rows], device=values.device)
+    mask = torch.arange(out.shape[1], device=values.device)[None, :] < lengths[:, None]
+    return idx, out, mask
+
+
 # --------------------------------------------------------------------------------------------
 # The run
 
@@ -512,34 +596,32 @@ class Run:
 
         keys = self.buffer.keys_of(grad_rows, "traj")
         turns = self.buffer.column("turn", grad_rows).tolist()
-        prompts = []
-        for key, turn in zip(keys, turns, strict=True):
-            t, _ = self.trajs[key]
-            prompts.append(render_prompt(self.tok, t.prompt_messages(turn)))
         actions, _ = self.buffer.padded(grad_rows, "tokens")
         lengths = self.buffer.column("tok_len", grad_rows).tolist()
         actions = [a[:n].tolist() for a, n in zip(actions, lengths, strict=True)]
         old, _ = self.buffer.padded(grad_rows, "logp")
+        items = [
+            (key, turn, render_prompt(self.tok, self.trajs[key][0].prompt_messages(turn)), a)
+            for key, turn, a in zip(keys, turns, actions, strict=True)
+        ]
+        units = pack_units(self.tok, items)
 
         self.model.train()
         dev = self.model.device
-        n = len(prompts)
+        n = len(items)
         tokens_seen = 0
         t0 = time.perf_counter()
         stats: dict[str, list[float]] = {}
         for _ in range(r.train.epochs):
-            order = torch.randperm(n)
-            for s in range(0, n, r.train.minibatch):
-                idx = order[s : s + r.train.minibatch].tolist()
-                ids, attn, act = sequences(
-                    self.tok, [prompts[i] for i in idx], [actions[i] for i in idx], dev
-                )
+            order = torch.randperm(len(units)).tolist()
+            for chunk in minibatches(units, order, r.train.minibatch):
+                ids, attn = unit_tensors(chunk, self.tok.pad_token_id, dev)
                 logp_all, ent_all = token_logprobs(self.model, ids, attn)
                 with torch.no_grad(), adapters_disabled(self.model):
                     ref_all, _ = token_logprobs(self.model, ids, attn)
-                logp, mask = gather_actions(logp_all, act)
-                ref, _ = gather_actions(ref_all, act)
-                ent, _ = gather_actions(ent_all, act)
+                idx, logp, mask = spans_of(logp_all, chunk)
+                _, ref, _ = spans_of(ref_all, chunk)
+                _, ent, _ = spans_of(ent_all, chunk)
                 old_mb = old[idx][:, : logp.shape[1]].to(dev)
                 loss, lm = mapo_loss(
                     logp,

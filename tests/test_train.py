@@ -20,7 +20,10 @@ from kitchen.train import (
     latest_checkpoint,
     load_recipe,
     load_run_policy,
+    pack_units,
     sequences,
+    spans_of,
+    unit_tensors,
 )
 
 POLICY = os.environ.get("KITCHEN_TEST_POLICY", str(paths.DATA / "models" / "policy-tiny"))
@@ -92,6 +95,25 @@ def test_logprobs_at_collection_match_the_training_forward(runs_dir):
             )
             checked += 1
     assert checked > 4
+    # packed: one sequence per trajectory scores every turn the same way
+    items = [
+        (t.id, ti.turn, render_prompt(run.tok, t.prompt_messages(ti.turn)), ti.tokens)
+        for t in trajs[:4]
+        for ti in t.turns
+    ]
+    units = pack_units(run.tok, items)
+    packed_trajs = sum(len(spans) > 1 for _, spans in units)
+    assert packed_trajs >= 2, "most trajectories should pack into one sequence"
+    ids, attn = unit_tensors(units, run.tok.pad_token_id, run.model.device)
+    with torch.no_grad():
+        logp, _ = token_logprobs(run.model.eval(), ids, attn)
+    idx, packed, mask = spans_of(logp, units)
+    for b, i in enumerate(idx):
+        recorded = [ti.logprobs for t in trajs[:4] for ti in t.turns][i]
+        torch.testing.assert_close(
+            packed[b, : len(recorded)], torch.tensor(recorded), atol=2e-3, rtol=1e-3
+        )
+        assert int(mask[b].sum()) == len(recorded)
 
 
 def test_update_moves_weights_toward_positive_advantages(runs_dir):
