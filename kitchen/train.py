@@ -138,6 +138,11 @@ class TrainConfig(StrictModel):
         lt=1,
         description="Alarm when mean entropy falls below this fraction of its first value.",
     )
+    kl_metric: bool = Field(
+        True,
+        description="Score the reference (adapter off) even when β = 0, to report kl/mean: one "
+        "extra no-grad forward per minibatch.",
+    )
 
 
 class Recipe(StrictModel):
@@ -617,10 +622,12 @@ class Run:
             for chunk in minibatches(units, order, r.train.minibatch):
                 ids, attn = unit_tensors(chunk, self.tok.pad_token_id, dev)
                 logp_all, ent_all = token_logprobs(self.model, ids, attn)
-                with torch.no_grad(), adapters_disabled(self.model):
-                    ref_all, _ = token_logprobs(self.model, ids, attn)
                 idx, logp, mask = spans_of(logp_all, chunk)
-                _, ref, _ = spans_of(ref_all, chunk)
+                ref = None
+                if cfg.beta > 0 or r.train.kl_metric:
+                    with torch.no_grad(), adapters_disabled(self.model):
+                        ref_all, _ = token_logprobs(self.model, ids, attn)
+                    _, ref, _ = spans_of(ref_all, chunk)
                 _, ent, _ = spans_of(ent_all, chunk)
                 old_mb = old[idx][:, : logp.shape[1]].to(dev)
                 loss, lm = mapo_loss(
@@ -642,7 +649,7 @@ class Run:
                 tokens_seen += int(attn.sum())
                 lm["policy/entropy"] = (ent * mask).sum().item() / max(mask.sum().item(), 1)
                 lm["policy/grad_norm"] = float(gn)
-                if "kl/mean" not in lm:  # beta = 0: still report how far the policy moved
+                if "kl/mean" not in lm and ref is not None:  # β = 0: still report the drift
                     lm["kl/mean"] = float(
                         ((logp.detach() - ref) * mask).sum() / mask.sum().clamp(min=1)
                     )
