@@ -181,6 +181,7 @@ class ReplayBuffer:
         self._order = 0
         self.version = 0
         self._cutoff = None  # version below which samples were last evicted
+        self.last_kept = torch.zeros(0, dtype=torch.bool)  # [N] of the last `add`: kept or not
         self._col: dict[str, Tensor] = {k: torch.empty(0, dtype=d) for k, d in _COLUMNS.items()}
         self._tokens = torch.empty(0, dtype=torch.int32)
         self._logp = torch.empty(0, dtype=torch.float32)
@@ -216,8 +217,9 @@ class ReplayBuffer:
         int64 tensor). `tokens` and `logp` are per-sample sequences: lists of lists, a 1-D tensor
         (one token per sample) or (flat [M], lengths [N]). `valid` marks samples that carry a
         local signal (default all; see `mapo.StepBatch.valid`). `run` labels independent runs kept in
-        one buffer (the lab's seeds). Raises `KitchenError` for non-finite rewards or log-probs,
-        naming the trajectory and turn.
+        one buffer (the lab's seeds). Afterwards `last_kept` ([N] bool) says which of the N
+        samples were kept (not too old, not a duplicate): the returned rows are theirs, in order.
+        Raises `KitchenError` for non-finite rewards or log-probs, naming the trajectory and turn.
         """
         state_keys = _as_keys(state)
         n = len(state_keys)
@@ -270,7 +272,10 @@ class ReplayBuffer:
         self.advance(newest)
         self._evict_capacity()
         self._prune_keys()
-        return rows[self._col["alive"][rows]]
+        alive = self._col["alive"][rows]
+        self.last_kept = keep.clone()
+        self.last_kept[keep.nonzero().squeeze(1)[~alive]] = False
+        return rows[alive]
 
     def _check_finite(self, floats, flat_lp, lp_len, traj_keys, turns) -> None:
         for name, v in floats.items():

@@ -479,3 +479,34 @@ def compare_runs(
         )
         .properties(width=420, height=220)
     )
+
+
+# -------------------------------------------------------------- notebook 07: scaling up (TRL, verl)
+
+
+def turn_advantages(frame: pl.DataFrame, max_episodes: int = 8) -> alt.Chart:
+    """Per-turn advantages of a batch: the kit's MAPO advantage of each turn (points) against the
+    one advantage TRL's GRPO gives the whole episode (a bar across its turns).
+
+    `frame`: one row per trained turn with `episode` (str), `turn` (int), `mapo` and `grpo`.
+    """
+    keep = frame["episode"].unique(maintain_order=True).head(max_episodes)
+    df = frame.filter(pl.col("episode").is_in(keep.implode()))
+    base = alt.Chart(df).encode(x=alt.X("turn:O", title="turn"))
+    grpo = base.mark_tick(thickness=2, size=18, color="#999").encode(
+        y=alt.Y("grpo:Q", title="advantage"),
+        tooltip=["episode", "turn", alt.Tooltip("grpo:Q", format=".3f", title="GRPO (episode)")],
+    )
+    mapo = base.mark_circle(size=60).encode(
+        y="mapo:Q",
+        color=alt.condition("datum.mapo >= 0", alt.value("#1b7837"), alt.value("#b2182b")),
+        tooltip=["episode", "turn", alt.Tooltip("mapo:Q", format=".3f", title="MAPO (turn)")],
+    )
+    return (
+        alt.layer(grpo, mapo, data=df)
+        .properties(width=90, height=160)
+        .facet(
+            column=alt.Column("episode:N", title=None),
+            title="MAPO per turn (dots) vs GRPO per episode (grey ticks)",
+        )
+    )

@@ -133,6 +133,25 @@ def test_dedup_keeps_the_newest_identical_sample():
     assert len(plain) == 2
 
 
+def test_last_kept_maps_returned_rows_back_to_samples():
+    """`last_kept` marks the samples of the last `add` that were stored (not a duplicate, not too
+    old); the returned rows are theirs, in order (integrations map advantages back by it)."""
+    buf = ReplayBuffer(capacity=100, dedup=True, max_age=1)
+    add(buf, ["x"], version=5, task="new")
+    rows = add(buf, ["s", "s", "t"], tokens=[[1, 2], [1, 2], [3]], rewards=[0.0, 1.0, 2.0])
+    assert buf.last_kept.tolist() == [False, False, False]  # version 0 is too old
+    rows = add(
+        buf,
+        ["s", "s", "t"],
+        tokens=[[1, 2], [1, 2], [3]],
+        rewards=[0.0, 1.0, 2.0],
+        version=5,
+        task="b",
+    )
+    assert buf.last_kept.tolist() == [False, True, True]  # the first copy is a duplicate
+    assert buf.column("local_reward", rows).tolist() == [1.0, 2.0]
+
+
 def test_non_finite_rewards_are_rejected_naming_the_sample():
     """NaN or inf rewards (and NaN log-probs) raise a KitchenError naming trajectory and turn."""
     buf = ReplayBuffer(capacity=10)
