@@ -10,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-slow test-gpu lint format check-notebooks schema clean
+.PHONY: help install demo test test-slow test-gpu test-verl bench lint format check-notebooks schema clean
 
 help: ## list the targets, one line each
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -37,6 +37,20 @@ test: $(STAMP) lint check-notebooks ## set up, then lint, check notebooks and ru
 test-slow: $(STAMP) ## run the slow tests too (long training; not in CI)
 	$(PY) -m pytest -m 'slow or not slow' $(PYTEST_ARGS)
 
+VERL_VENV ?= .venv-verl
+test-verl: ## verl integration tests in their own venv (verl 0.9 needs transformers<5.11; ~2 min, 2.4 GB)
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q $(TORCH_CPU) 2>&1 | { grep -v '^WARNING: Location' || true; }
+	$(VERL_VENV)/bin/pip install -q 'verl==0.9.1' cachetools 'TransferQueue>=0.1.10' pyzmq msgspec fastapi uvicorn 'trl==1.16.0' 'polars==2.1.0' 'altair==6.3.0' 'marimo==0.25.2' 'vl-convert-python==1.9.0.post1' 'pytest==9.2.0' hypothesis 2>&1 | { grep -v '^WARNING: Location' || true; }
+	$(VERL_VENV)/bin/pip install -q --no-deps -e .
+	$(VERL_VENV)/bin/python -m pytest tests/test_integrations_verl.py
+
+bench: $(STAMP) ## run the speed and memory benchmarks that need no GPU (prints ratios)
+	$(PY) benchmarks/bench_buffer.py
+	$(PY) benchmarks/bench_lab.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_trl.py --threads 1
+	$(PY) benchmarks/bench_grm.py
+
 test-gpu: $(STAMP) ## run the CUDA tests (on a GPU machine)
 	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
 
@@ -58,4 +72,4 @@ schema: $(STAMP) ## regenerate the JSON schemas in data/schema/ (editor completi
 	$(VENV)/bin/kitchen schema sft-recipe > data/schema/sft_recipe.schema.json
 
 clean: ## remove the virtual environment, caches and run outputs of the tests
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -93,8 +93,23 @@ def _grm_train(args: argparse.Namespace) -> int:
 def _grm_calibrate(args: argparse.Namespace) -> int:
     from kitchen.calibrate import grm_calibrate_main
 
-    return grm_calibrate_main(grm=args.grm, n=args.n, votes=args.votes, labels=args.labels,
-                              out=args.out)
+    return grm_calibrate_main(
+        grm=args.grm, n=args.n, votes=args.votes, labels=args.labels, out=args.out
+    )
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from kitchen.evaluate import eval_main
+
+    return eval_main(
+        args.policy,
+        baseline=args.baseline,
+        tasks=args.tasks,
+        samples=args.samples,
+        seed=args.seed,
+        guard=args.guard,
+        out=args.out,
+    )
 
 
 def _cook(args: argparse.Namespace) -> int:
@@ -106,17 +121,34 @@ def _cook(args: argparse.Namespace) -> int:
 def _schema(args: argparse.Namespace) -> int:
     from kitchen import constitution, sft, train
 
-    make = {"constitution": lambda: constitution.schema("constitution"),
-            "profile": lambda: constitution.schema("profile"),
-            "sft-recipe": sft.schema, "recipe": train.recipe_schema}[args.kind]
+    make = {
+        "constitution": lambda: constitution.schema("constitution"),
+        "profile": lambda: constitution.schema("profile"),
+        "sft-recipe": sft.schema,
+        "recipe": train.recipe_schema,
+    }[args.kind]
     print(json.dumps(make(), indent=2))
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _report(args: argparse.Namespace) -> int:
+    from kitchen.report import run_report
+
+    print(run_report(args.run, args.out))
+    return 0
+
+
+def _tour(args: argparse.Namespace) -> int:
     from kitchen.walkthrough import constitution_walkthrough
 
     print(constitution_walkthrough())
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kitchen.demo import main_job, summary
+
+    print(summary(main_job(iterations=args.iterations, eval_tasks=args.eval_tasks)))
     return 0
 
 
@@ -139,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", required=True, metavar="PROFILE", help="profile YAML")
     p.add_argument("--format", choices=["yaml", "text", "json"], default="yaml")
     p.set_defaults(func=_constitution_personalize)
+    p = csub.add_parser("tour", help="a printed walk through the constitution stage")
+    p.set_defaults(func=_tour)
     p = csub.add_parser("schema", help="print the JSON schema (for editor completion)")
     p.add_argument("--kind", choices=["constitution", "profile"], default="constitution")
     p.set_defaults(func=_constitution_schema)
@@ -171,17 +205,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the report as JSON here")
     p.set_defaults(func=_grm_calibrate)
 
+    p = sub.add_parser(
+        "eval", help="play held-out tasks and profiles with a policy; judge by rules; print a table"
+    )
+    p.add_argument("--policy", required=True, metavar="PATH", help="policy checkpoint folder")
+    p.add_argument(
+        "--baseline",
+        metavar="PATH",
+        default=None,
+        help="also play this policy on the same seeds and report the win rate",
+    )
+    p.add_argument("--tasks", type=int, default=None, help="held-out tasks (default 30)")
+    p.add_argument(
+        "--samples", type=int, default=None, help="episodes per task and profile (default 2)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed (default 1234)")
+    p.add_argument(
+        "--guard", action="store_true", help="also play the policy behind the axiom guard"
+    )
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON")
+    p.set_defaults(func=_eval)
+
     p = sub.add_parser("cook", help="run a training recipe: rollouts, GRM, buffer, MAPO, eval")
     p.add_argument("recipe", nargs="?", metavar="RECIPE", help="recipe YAML (recipes/*.yaml)")
-    p.add_argument("--resume", metavar="RUN", default=None,
-                   help="continue the run in this folder (runs/<name>) from its last checkpoint")
+    p.add_argument(
+        "--resume",
+        metavar="RUN",
+        default=None,
+        help="continue the run in this folder (runs/<name>) from its last checkpoint",
+    )
     p.set_defaults(func=_cook)
+
+    p = sub.add_parser("report", help="write a self-contained HTML report of a training run")
+    p.add_argument("run", metavar="RUN", help="run folder, e.g. runs/tiny-mapo")
+    p.add_argument("--out", default=None, help="output file (default RUN/report.html)")
+    p.set_defaults(func=_report)
 
     p = sub.add_parser("schema", help="print a JSON schema (for editor completion of YAML)")
     p.add_argument("kind", choices=["constitution", "profile", "recipe", "sft-recipe"])
     p.set_defaults(func=_schema)
 
-    p = sub.add_parser("demo", help="the main job, end to end")
+    p = sub.add_parser("demo", help="the main job: MAPO and GRPO runs, evaluation, HTML report")
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="iterations per run (default: the recipes' own)",
+    )
+    p.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks (default 24)")
     p.set_defaults(func=_demo)
     return parser
 

@@ -704,6 +704,7 @@ def token_logprobs(
     *,
     chunk_size: int | None = None,
     entropy_grad: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each next token and the policy's entropy at each position.
 
@@ -721,6 +722,12 @@ def token_logprobs(
     log-softmax copy of the logits is built for the backward. The entropy is a metric
     (`policy/entropy`) and carries no gradient unless `entropy_grad=True` (an entropy bonus).
     `logp` carries gradients when grad mode is on.
+
+    `positions` (bool [B, T-1], optional) names the only positions the caller needs (e.g. the
+    action tokens of a packed dialogue): the output layer and the softmax then run on those rows
+    of the final hidden states alone, and every other entry is 0. In a training update most
+    positions are prompt, so this skips most of the vocabulary-sized work. Models that change
+    their logits after the output layer (logit soft-capping or scaling) take the full path.
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(
@@ -735,6 +742,15 @@ def token_logprobs(
         chunk_size = max(1, LOGIT_BUDGET // max(1, T * vocab))
     mask = attention_mask.long()
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: left padding starts at 0
+    if positions is not None and _plain_logits(model):
+        return _selected_logprobs(
+            model,
+            input_ids,
+            mask,
+            position_ids,
+            positions.bool() & mask[:, 1:].bool(),
+            entropy_grad,
+        )
     out_logp, out_ent = [], []
     for s in range(0, B, chunk_size):
         ids, am, pos = (
@@ -752,3 +768,115 @@ def token_logprobs(
         out_logp.append(logp.masked_fill(~valid, 0.0))
         out_ent.append(ent.masked_fill(~valid, 0.0))
     return torch.cat(out_logp), torch.cat(out_ent)
+
+
+def _plain_logits(model: torch.nn.Module) -> bool:
+    """True when logits = output_layer(final hidden state), with nothing applied after it."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(causal, "config", None)
+    return (
+        hasattr(causal, "get_decoder")
+        and causal.get_output_embeddings() is not None
+        and not getattr(cfg, "final_logit_softcapping", None)
+        and not getattr(cfg, "logit_scale", None)
+    )
+
+
+def _selected_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    positions: torch.Tensor,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` at `positions` only: backbone once, output layer on the selected rows."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = causal.get_decoder()(
+        input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+    h = hidden[:, :-1][positions]  # [n, H]: the states that predict the selected tokens
+    z = causal.get_output_embeddings()(h).float()  # [n, V]
+    lse = torch.logsumexp(z, dim=-1)  # [n]
+    lp = z.gather(-1, input_ids[:, 1:][positions][:, None]).squeeze(-1) - lse  # [n]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1)  # [n]
+    logp = torch.zeros(positions.shape, dtype=lp.dtype, device=lp.device).index_put(
+        (positions.nonzero(as_tuple=True)), lp
+    )  # [B, T-1]
+    entropy = torch.zeros(positions.shape, dtype=ent.dtype, device=ent.device).index_put(
+        (positions.nonzero(as_tuple=True)), ent
+    )
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------
+# Shipping a checkpoint
+
+
+def export_checkpoint(
+    src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "float16"
+) -> Path:
+    """Copy the Hugging Face checkpoint in `src` to `dst` with its weights stored in `dtype`.
+
+    The kit's shipped tiny models (`data/models/*`) are stored in float16: half the bytes of
+    float32 and, unlike bfloat16, 10 mantissa bits, so the round trip moves a tiny model's weights
+    by ~1e-4 relative. `load_model` reads them back in float32 on a CPU (`dtype: auto`), ready to
+    train. The tokenizer and a `recipe.yaml` come along; other files already in `dst` (e.g. a
+    `PROVENANCE.md`) are kept. The folder is replaced as a whole (`swap_folder`).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, dst = Path(src), Path(dst)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        model.to(
+            {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+        ).save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if (src / "recipe.yaml").is_file():
+            shutil.copy2(src / "recipe.yaml", tmp / "recipe.yaml")
+        if dst.is_dir():
+            for f in dst.iterdir():
+                if f.is_file() and not (tmp / f.name).exists() and f.suffix in (".md", ".json"):
+                    shutil.copy2(f, tmp / f.name)
+        swap_folder(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def reply(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Iterable[dict[str, Any]],
+    *,
+    max_new_tokens: int = 48,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> str:
+    """The model's next assistant message after chat `messages`: greedy (`temperature` 0) or
+    sampled with a fixed `seed`. For looking at samples in notebooks; rollouts batch instead."""
+    msgs = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    enc = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
+    if temperature > 0:
+        kwargs |= {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            out = model.generate(
+                **enc,
+                **kwargs,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -202,6 +202,11 @@ def sample_section(row: dict[str, Any], title: str) -> Section:
 def run_report(folder: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Write `<folder>/report.html` for one run."""
     folder = Path(folder)
+    if not (folder / "metrics.parquet").exists():
+        from kitchen.config import KitchenError
+
+        raise KitchenError(f"{folder}: no metrics.parquet; give a run folder that `kitchen cook` "
+                           "wrote (runs/<name>)")
     recipe = (folder / "recipe.yaml").read_text() if (folder / "recipe.yaml").exists() else ""
     sections = run_sections(folder)
     sections.append(Section("recipe").pre(recipe))

@@ -61,12 +61,13 @@ from kitchen.constitution import PersonalConstitution, PersonalizationCache, loa
 from kitchen.evaluate import EvalConfig, policy_report, reward_gap
 from kitchen.files import atomic_write_bytes, atomic_write_text, write_jsonl
 from kitchen.grm import GRMConfig
+from kitchen.jobs import Job
 from kitchen.judge import judge
 from kitchen.mapo import AdvantageConfig, advantages, mapo_loss, preset, returns_for
 from kitchen.models import LoraSpec, ModelSpec
 from kitchen.review import Review, clause_pass_rates, global_reward, turn_rewards
 from kitchen.rollout import RolloutConfig, render_prompt, rollout
-from kitchen.world import Task, Trajectory, fitting, generate_tasks, load_menu, load_split
+from kitchen.world import Trajectory, load_menu
 
 
 class AdvantageChoice(StrictModel):
@@ -302,6 +303,43 @@ def gather_actions(values: torch.Tensor, action: torch.Tensor) -> tuple[torch.Te
     return packed * mask, mask
 
 
+def buffered_advantages(
+    buffer: ReplayBuffer, rows: dict[str, Any], cfg: AdvantageConfig, version: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Step rows (as `step_rows` makes them) → the replay buffer → MAPO advantages.
+
+    The rows are stored at policy version `version`; with `cfg.use_buffer`, every live record
+    sharing a state key with one of them joins the statistics (the seeds' "fetch by state").
+    Returns (rows [R] with the newly stored ones first, fresh [R], advantages [R], metrics); α's
+    schedule counts versions (iterations). `buffer.last_kept` tells which input rows were stored.
+    """
+    new = buffer.add(
+        state=rows["state"],
+        abstract=rows["abstract"],
+        tokens=rows["tokens"],
+        logp=rows["logp"],
+        local_reward=rows["local"],
+        ret=rows["ret"],
+        global_reward=rows["global"],
+        task_group=rows["task_group"],
+        traj=rows["traj"],
+        turn=rows["turn"],
+        version=version,
+        valid=rows["valid"],
+    )
+    if cfg.use_buffer:
+        all_rows, fresh = buffer.with_history(
+            new, by=cfg.state_key, whole_task_groups=cfg.replay_in_gradient
+        )
+    else:
+        all_rows, fresh = new, torch.ones(new.numel(), dtype=torch.bool)
+    adv, metrics = advantages(
+        buffer.batch(all_rows, by=cfg.state_key, fresh=fresh), cfg, step=version
+    )
+    buffer.set_priority(all_rows, adv)
+    return all_rows, fresh, adv, metrics
+
+
 Unit = tuple[list[int], list[tuple[int, int, int]]]  # token ids, [(sample, start, length)]
 
 
@@ -359,15 +397,21 @@ def minibatches(units: Sequence[Unit], order: Sequence[int], size: int) -> list[
     return out
 
 
-def unit_tensors(units: Sequence[Unit], pad: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [U, T] and attention mask [U, T] of packed units."""
+def unit_tensors(
+    units: Sequence[Unit], pad: int, device: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [U, T], attention mask [U, T], and the positions that score an action
+    token [U, T-1] (position p scores token p+1), for `token_logprobs(positions=...)`."""
     width = max(len(ids) for ids, _ in units)
     ids = torch.full((len(units), width), pad, dtype=torch.long)
     attn = torch.zeros((len(units), width), dtype=torch.long)
-    for u, (seq, _) in enumerate(units):
+    at = torch.zeros((len(units), width - 1), dtype=torch.bool)
+    for u, (seq, spans) in enumerate(units):
         ids[u, : len(seq)] = torch.tensor(seq)
         attn[u, : len(seq)] = 1
-    return ids.to(device), attn.to(device)
+        for _, start, length in spans:
+            at[u, start - 1 : start - 1 + length] = True
+    return ids.to(device), attn.to(device), at.to(device)
 
 
 def spans_of(
@@ -450,30 +494,21 @@ class Run:
 
     # -- data -------------------------------------------------------------------------------
 
-    def _task_pool(self) -> list[tuple[Task, Any]]:
-        from kitchen.profile import load_profiles, redact
+    def _task_pool(self) -> list[Job]:
+        from kitchen.jobs import pair_jobs
 
-        train_ids = set(load_split("train"))
-        profiles = [p for p in load_profiles(paths.PROFILES) if p.id in train_ids]
-        rng = random.Random(f"pool:{self.recipe.seed}")
-        pool = []
-        for task in generate_tasks(self.recipe.train.task_pool * 3, seed=self.recipe.seed):
-            if len(pool) == self.recipe.train.task_pool:
-                break
-            p = rng.choice(profiles)
-            pc = self.cache.get(self.constitution, p)
-            real = {k: v.value for k, v in redact(p).dimensions.items()}
-            diner = pc.dimensions | {k: v for k, v in real.items() if k in pc.dimensions}
-            if fitting(
-                self.menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"
-            ):
-                pool.append((task, p, diner))
-        return pool
+        return pair_jobs(
+            "train",
+            self.recipe.train.task_pool,
+            self.recipe.seed,
+            self.constitution,
+            cache=self.cache,
+        )
 
-    def _jobs(self, it: int) -> list[tuple[Task, PersonalConstitution, dict]]:
+    def _jobs(self, it: int) -> list[Job]:
+        """The jobs of iteration `it`: a seeded draw from the task pool."""
         rng = random.Random(f"jobs:{self.recipe.seed}:{it}")
-        picks = rng.sample(self.pool, min(self.recipe.train.tasks_per_iteration, len(self.pool)))
-        return [(t, self.cache.get(self.constitution, p), d) for t, p, d in picks]
+        return rng.sample(self.pool, min(self.recipe.train.tasks_per_iteration, len(self.pool)))
 
     # -- one iteration ----------------------------------------------------------------------
 
@@ -566,32 +601,9 @@ class Run:
         r, cfg = self.recipe, self.adv_cfg
         for i, t in enumerate(trajs):
             self.trajs[t.id] = (t, pcs[i])
-        fresh_rows = self.buffer.add(
-            state=rows["state"],
-            abstract=rows["abstract"],
-            tokens=rows["tokens"],
-            logp=rows["logp"],
-            local_reward=rows["local"],
-            ret=rows["ret"],
-            global_reward=rows["global"],
-            task_group=rows["task_group"],
-            traj=rows["traj"],
-            turn=rows["turn"],
-            version=it,
-            valid=rows["valid"],
-        )
-        by = cfg.state_key
-        if cfg.use_buffer:
-            all_rows, fresh = self.buffer.with_history(
-                fresh_rows, by=by, whole_task_groups=cfg.replay_in_gradient
-            )
-        else:
-            all_rows, fresh = fresh_rows, torch.ones(fresh_rows.numel(), dtype=torch.bool)
-        batch = self.buffer.batch(all_rows, by=by, fresh=fresh)
-        adv, metrics = advantages(batch, cfg, step=it)  # α's schedule counts iterations
+        all_rows, fresh, adv, metrics = buffered_advantages(self.buffer, rows, cfg, it)
         grad_rows = all_rows[fresh | torch.tensor(cfg.replay_in_gradient)]
         grad_adv = adv[fresh | torch.tensor(cfg.replay_in_gradient)]
-        self.buffer.set_priority(all_rows, adv)
         fresh_keys = self.buffer.keys_of(all_rows[fresh], "traj")
         fresh_turns = self.buffer.column("turn", all_rows[fresh]).tolist()
         self.last["advantages"] = {
@@ -620,13 +632,13 @@ class Run:
         for _ in range(r.train.epochs):
             order = torch.randperm(len(units)).tolist()
             for chunk in minibatches(units, order, r.train.minibatch):
-                ids, attn = unit_tensors(chunk, self.tok.pad_token_id, dev)
-                logp_all, ent_all = token_logprobs(self.model, ids, attn)
+                ids, attn, at = unit_tensors(chunk, self.tok.pad_token_id, dev)
+                logp_all, ent_all = token_logprobs(self.model, ids, attn, positions=at)
                 idx, logp, mask = spans_of(logp_all, chunk)
                 ref = None
                 if cfg.beta > 0 or r.train.kl_metric:
                     with torch.no_grad(), adapters_disabled(self.model):
-                        ref_all, _ = token_logprobs(self.model, ids, attn)
+                        ref_all, _ = token_logprobs(self.model, ids, attn, positions=at)
                     _, ref, _ = spans_of(ref_all, chunk)
                 _, ent, _ = spans_of(ent_all, chunk)
                 old_mb = old[idx][:, : logp.shape[1]].to(dev)

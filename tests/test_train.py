@@ -104,10 +104,12 @@ def test_logprobs_at_collection_match_the_training_forward(runs_dir):
     units = pack_units(run.tok, items)
     packed_trajs = sum(len(spans) > 1 for _, spans in units)
     assert packed_trajs >= 2, "most trajectories should pack into one sequence"
-    ids, attn = unit_tensors(units, run.tok.pad_token_id, run.model.device)
+    ids, attn, at = unit_tensors(units, run.tok.pad_token_id, run.model.device)
     with torch.no_grad():
         logp, _ = token_logprobs(run.model.eval(), ids, attn)
-    idx, packed, mask = spans_of(logp, units)
+        fast, _ = token_logprobs(run.model.eval(), ids, attn, positions=at)
+    torch.testing.assert_close(fast, logp * at, atol=1e-4, rtol=1e-4)  # selected rows: same values
+    idx, packed, mask = spans_of(fast, units)
     for b, i in enumerate(idx):
         recorded = [ti.logprobs for t in trajs[:4] for ti in t.turns][i]
         torch.testing.assert_close(

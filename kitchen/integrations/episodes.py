@@ -29,19 +29,17 @@ recipe), so a recipe means the same work in every engine.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from kitchen import paths
 from kitchen.config import KitchenError
-from kitchen.constitution import PersonalConstitution, PersonalizationCache, load_constitution
+from kitchen.constitution import PersonalizationCache, load_constitution
+from kitchen.jobs import Job
 from kitchen.models import IM_END
 from kitchen.rollout import render_prompt
-from kitchen.world import Task, Trajectory, fitting, generate_tasks, load_menu, load_split
+from kitchen.world import Trajectory
 from kitchen.world import system_prompt as world_system_prompt
-
-Job = tuple[Task, PersonalConstitution, dict[str, Any]]
 
 
 def _home(path: str) -> str:
@@ -60,30 +58,11 @@ def job_pool(
     *,
     cache: PersonalizationCache | None = None,
 ) -> list[Job]:
-    """`n` (task, personal constitution, diner values) jobs: the pool `kitchen cook` trains on.
+    """`n` (task, personal constitution, diner values) jobs: the pool `kitchen cook` trains on
+    (`kitchen.jobs.pair_jobs` with the same key and seed as `kitchen.train.Run`)."""
+    from kitchen.jobs import pair_jobs
 
-    Training tasks are paired with training profiles drawn by a seeded RNG; a pair whose diner no
-    menu dish can satisfy is skipped (as `kitchen.train.Run` does). Deterministic given `seed`.
-    """
-    from kitchen.profile import load_profiles, redact
-
-    cache = cache or PersonalizationCache()
-    cons = load_constitution(_home(constitution))
-    menu = load_menu()
-    train_ids = set(load_split("train"))
-    profiles = [p for p in load_profiles(paths.PROFILES) if p.id in train_ids]
-    rng = random.Random(f"pool:{seed}")
-    pool: list[Job] = []
-    for task in generate_tasks(n * 3, seed=seed):
-        if len(pool) == n:
-            break
-        p = rng.choice(profiles)
-        pc = cache.get(cons, p)
-        real = {k: v.value for k, v in redact(p).dimensions.items()}
-        diner = pc.dimensions | {k: v for k, v in real.items() if k in pc.dimensions}
-        if fitting(menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"):
-            pool.append((task, pc, diner))
-    return pool
+    return pair_jobs("train", n, seed, load_constitution(_home(constitution)), cache=cache)
 
 
 def first_messages(job: Job) -> list[dict[str, str]]:

@@ -82,10 +82,10 @@ from kitchen.integrations.episodes import (
     job_pool,
 )
 from kitchen.judge import judge
-from kitchen.mapo import AdvantageConfig, advantages
+from kitchen.mapo import AdvantageConfig
 from kitchen.review import Review, clause_pass_rates, global_reward, turn_rewards
 from kitchen.rollout import RolloutConfig, rollout
-from kitchen.train import Recipe, RewardConfig, load_recipe, step_rows
+from kitchen.train import Recipe, RewardConfig, buffered_advantages, load_recipe, step_rows
 from kitchen.world import Trajectory, load_menu
 
 try:  # the trainer subclass needs TRL (a core dependency); the rest of the module does not
@@ -558,30 +558,9 @@ class MAPOTrainer(GRPOTrainer):
             )
         }
         buf, version = self.kitchen_buffer, self.kitchen_calls
-        fresh_rows = buf.add(
-            state=col["state"],
-            abstract=col["abstract"],
-            tokens=col["tokens"],
-            logp=col["logp"],
-            local_reward=col["local"],
-            ret=col["ret"],
-            global_reward=col["global"],
-            task_group=col["task_group"],
-            traj=col["traj"],
-            turn=col["turn"],
-            version=version,
-            valid=col["valid"],
-        )
+        all_rows, fresh, adv, metrics = buffered_advantages(buf, col, cfg, version)
         kept = buf.last_kept
-        if cfg.use_buffer:
-            all_rows, fresh = buf.with_history(fresh_rows, by=cfg.state_key)
-        else:
-            all_rows, fresh = fresh_rows, torch.ones(fresh_rows.numel(), dtype=torch.bool)
-        # α's schedule counts iterations (rollout batches), as `kitchen cook` does
-        adv, metrics = advantages(
-            buf.batch(all_rows, by=cfg.state_key, fresh=fresh), cfg, step=version
-        )
-        buf.set_priority(all_rows, adv)
+        fresh_rows = all_rows[fresh]
         buf.advance(version + 1)
         self.kitchen_calls += 1
         row_adv = torch.zeros(len(every))

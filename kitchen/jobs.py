@@ -1,0 +1,64 @@
+"""Jobs: the (task, diner) pairs a run plays, and what the simulated diner really holds.
+
+A *job* is `(task, personal constitution, diner values)`: the request, the constitution
+personalised for the diner (what the policy is shown and the judge checks against), and the
+values the simulated diner really holds — the redacted profile's own values, low-confidence ones
+included (a diner unsure of their verbosity on paper still has one). Training pairs training
+tasks with training profiles, evaluation held-out with held-out; a pair for which no dish on the
+menu fits the diner is skipped, since an impossible request would teach only apologies.
+
+`kitchen.train` (the task pool), `kitchen.evaluate` (the held-out set) and the TRL and verl
+integrations draw their jobs here, so the same seed gives the same jobs everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Literal
+
+from kitchen import paths
+from kitchen.constitution import Constitution, PersonalConstitution, PersonalizationCache
+from kitchen.profile import Profile, redact
+from kitchen.world import Task, fitting, generate_tasks, load_menu, load_split
+
+Job = tuple[Task, PersonalConstitution, dict[str, Any]]
+
+
+def diner_values(pc: PersonalConstitution, profile: Profile) -> dict[str, Any]:
+    """The dimension values the simulated diner holds: the profile's own where it has them."""
+    real = {k: v.value for k, v in redact(profile).dimensions.items()}
+    return pc.dimensions | {k: v for k, v in real.items() if k in pc.dimensions}
+
+
+def pair_jobs(
+    split: Literal["train", "heldout"],
+    n: int,
+    seed: int,
+    constitution: Constitution,
+    *,
+    cache: PersonalizationCache | None = None,
+    order: Literal["random", "rotate"] = "random",
+    key: str = "pool",
+) -> list[Job]:
+    """`n` feasible jobs of one split, deterministic in (`key`, `seed`).
+
+    `order="random"` draws a profile per task (a training pool); `"rotate"` takes the split's
+    profiles in turn, so every held-out diner is evaluated about equally often.
+    """
+    from kitchen.profile import load_profiles
+
+    cache = cache or PersonalizationCache()
+    menu = load_menu()
+    ids = set(load_split(split))
+    profiles = [p for p in load_profiles(paths.PROFILES) if p.id in ids]
+    rng = random.Random(f"{key}:{seed}")
+    jobs: list[Job] = []
+    for task in generate_tasks(n * 4, seed=seed, split=split):
+        if len(jobs) == n:
+            break
+        p = rng.choice(profiles) if order == "random" else profiles[len(jobs) % len(profiles)]
+        pc = cache.get(constitution, p)
+        diner = diner_values(pc, p)
+        if fitting(menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"):
+            jobs.append((task, pc, diner))
+    return jobs
