@@ -11,4 +11,12 @@ Importing `kitchen` is cheap: no torch, marimo, altair or polars is imported her
 distributed paths (and the CLI's `--help`) start fast.
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# bitsandbytes logs on every import that it cannot fetch an optional CPU kernel from the hub
+# (NOTES.md: harmless; installing `kernels` would try to reach the hub). Say nothing instead.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: "gemm_4bit_forward" not in record.getMessage()
+)

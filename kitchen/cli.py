@@ -131,6 +131,22 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    if args.engine == "files":
+        from kitchen.integrations.launch import write_files
+
+        for p in write_files(args.rest[0] if args.rest else None):
+            print(p)
+        return 0
+    if args.engine == "trl":
+        from kitchen.integrations.trl import main as trl_main
+
+        return trl_main(args.rest)
+    from kitchen.integrations.verl import main as verl_main
+
+    return verl_main(args.rest)
+
+
 def _report(args: argparse.Namespace) -> int:
     from kitchen.report import run_report
 
@@ -235,6 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in this folder (runs/<name>) from its last checkpoint",
     )
     p.set_defaults(func=_cook)
+
+    p = sub.add_parser("scale", help="beyond one GPU: TRL and verl (see recipes/scale/README.md)")
+    p.add_argument(
+        "engine",
+        choices=["trl", "verl", "files"],
+        help="trl: train a recipe with TRL's GRPOTrainer (--recipe F ...); verl: write "
+        "a recipe's task pool for verl (data --recipe F --out D); files: regenerate "
+        "the launch files in recipes/scale/",
+    )
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the engine")
+    p.set_defaults(func=_scale)
 
     p = sub.add_parser("report", help="write a self-contained HTML report of a training run")
     p.add_argument("run", metavar="RUN", help="run folder, e.g. runs/tiny-mapo")
