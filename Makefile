@@ -10,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-slow test-gpu test-verl bench lint format check-notebooks schema clean
+.PHONY: help install demo test test-slow test-gpu test-verl bench ipynb nbval lint format check-notebooks schema clean
 
 help: ## list the targets, one line each
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -70,6 +70,12 @@ schema: $(STAMP) ## regenerate the JSON schemas in data/schema/ (editor completi
 	$(VENV)/bin/kitchen constitution schema --kind profile > data/schema/profile.schema.json
 	$(VENV)/bin/kitchen schema recipe > data/schema/recipe.schema.json
 	$(VENV)/bin/kitchen schema sft-recipe > data/schema/sft_recipe.schema.json
+
+ipynb: $(STAMP) ## export every notebook to build/ipynb/*.ipynb, ready for Jupyter and Colab
+	$(PY) -m kitchen.notebook export build/ipynb
+
+nbval: $(STAMP) ## run every exported notebook in a Jupyter kernel (pytest --nbval-lax; also part of make test)
+	$(PY) -m pytest tests/test_ipynb.py $(PYTEST_ARGS)
 
 clean: ## remove the virtual environment, caches and run outputs of the tests
 	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .ruff_cache build *.egg-info

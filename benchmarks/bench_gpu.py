@@ -21,7 +21,10 @@ update: that changes which samples are trained on, not the cost of training on t
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,7 +55,8 @@ SMALL = {
 }
 
 
-def build_model(folder: Path, shape: dict) -> None:
+def build_model(folder: Path, shape: dict) -> int:
+    """Save a random model of `shape` with the kit's tiny tokenizer; returns its parameter count."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(paths.DATA / "models" / "policy-tiny")
@@ -71,6 +75,7 @@ def build_model(folder: Path, shape: dict) -> None:
     model.generation_config.pad_token_id = pad
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
 
 
 def main() -> None:
@@ -88,7 +93,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "qwen-shaped"
-        build_model(folder, SMALL if args.small else QWEN25_05B)
+        n_params = build_model(folder, SMALL if args.small else QWEN25_05B)
         recipe = Recipe.model_validate(
             {
                 "name": "bench-gpu",
@@ -125,9 +130,14 @@ def main() -> None:
             }
         )
         run = Run(recipe, folder=Path(tmp) / "run", progress=False)
+        threads = f"CUDA {torch.version.cuda}" if cuda else f"{torch.get_num_threads()} threads"
         results = {
             "shape": "small" if args.small else "qwen2.5-0.5b",
             "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "parameters": n_params,  # logical count (4-bit storage would halve a count)
+            "hardware": f"{platform.machine()}, torch {torch.__version__}, {threads}",
+            "command": "python " + " ".join(sys.argv),
+            "date": datetime.date.today().isoformat(),
             "iterations": [],
         }
         from kitchen.judge import judge

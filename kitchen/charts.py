@@ -510,3 +510,128 @@ def turn_advantages(frame: pl.DataFrame, max_episodes: int = 8) -> alt.Chart:
             title="MAPO per turn (dots) vs GRPO per episode (grey ticks)",
         )
     )
+
+
+# ------------------------------------------------------------- notebook 00: should you do RL?
+
+
+def plateau_fit(log: pl.DataFrame, curve, metric: str = "eval_loss") -> alt.Chart:
+    """The SFT curve with the plateau test's power law (`kitchen.decide.plateau`) over its tail,
+    extended to twice the training (dashed). `log`: rows with `step` and `metric`; `curve`: the
+    `Plateau` fitted to them."""
+    import math
+
+    pts = log.select("step", metric).drop_nulls().filter(pl.col("step") > 0)
+    x0, x1 = curve.steps[0], 2 * curve.steps[-1]
+    xs = [x0 * (x1 / x0) ** (k / 40) for k in range(41)]
+    ys = [math.exp(curve.log_c) * x ** (-curve.exponent) for x in xs]
+    if curve.higher_is_better:
+        ys = [1 - y for y in ys]
+    fit = pl.DataFrame(
+        {
+            "step": xs,
+            "value": ys,
+            "part": ["fit" if x <= curve.steps[-1] else "doubled" for x in xs],
+        }
+    )
+    base = (
+        alt.Chart(pts)
+        .mark_line(point=True, color="#4c78a8")
+        .encode(
+            x=alt.X("step:Q", title="optimiser step"),
+            y=alt.Y(f"{metric}:Q", title=metric.replace("_", " "), scale=alt.Scale(type="log")),
+            tooltip=["step", alt.Tooltip(f"{metric}:Q", format=".4f")],
+        )
+    )
+    line = (
+        alt.Chart(fit.rename({"value": metric}))
+        .mark_line(color="#e45756")
+        .encode(
+            x="step:Q",
+            y=f"{metric}:Q",
+            strokeDash=alt.StrokeDash("part:N", title="power law", sort=["fit", "doubled"]),
+        )
+    )
+    return (base + line).properties(
+        width=420,
+        height=220,
+        title=f"{metric}: doubling the training is projected to improve it by "
+        f"{curve.projected_gain:.1%}",
+    )
+
+
+def imitation_bars(rows: list[dict]) -> alt.Chart:
+    """Per metric (`kitchen.decide.imitation_gap` rows): what the policy achieves, what better
+    imitation of its SFT data could add, and what lies beyond the data (stacked to 1)."""
+    parts = {
+        "policy": "achieved",
+        "imitable": "imitable (SFT can)",
+        "beyond": "beyond the SFT data",
+    }
+    df = pl.DataFrame(
+        [{"metric": r["metric"], "part": parts[k], "share": r[k]} for r in rows for k in parts]
+    )
+    order = list(parts.values())
+    return (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            y=alt.Y("metric:N", sort=[r["metric"] for r in rows], title=None),
+            x=alt.X("share:Q", stack="zero", scale=alt.Scale(domain=[0, 1]), title="rate"),
+            color=alt.Color(
+                "part:N",
+                sort=order,
+                scale=alt.Scale(domain=order, range=["#9ecae9", "#f58518", "#e45756"]),
+                title=None,
+            ),
+            order=alt.Order("order:Q"),
+            tooltip=["metric", "part", alt.Tooltip("share:Q", format=".1%")],
+        )
+        .transform_calculate(order=f"indexof({order!r}, datum.part)")
+        .properties(width=420, height=16 * max(len(rows), 1), title="where the remaining gap lies")
+    )
+
+
+def cost_bars(seconds: dict[str, float], title: str = "device-hours by phase") -> alt.Chart:
+    """Estimated hours per phase of a run (`CostEstimate.seconds`)."""
+    df = pl.DataFrame([{"phase": k, "hours": v / 3600} for k, v in seconds.items()])
+    return (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            y=alt.Y("phase:N", sort=list(seconds), title=None),
+            x=alt.X("hours:Q", title="hours"),
+            tooltip=["phase", alt.Tooltip("hours:Q", format=",.2f")],
+        )
+        .properties(width=420, height=90, title=title)
+    )
+
+
+def memory_bars(memory) -> alt.Chart:
+    """The memory formula's terms (`kitchen.decide.MemoryEstimate`), with the device's memory as
+    a rule when known. Only the largest of update / rollout / review counts at the peak."""
+    df = pl.DataFrame(
+        [{"term": k, "GB": v, "formula": memory.formulas[k]} for k, v in memory.parts.items()]
+    )
+    bars = (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            y=alt.Y("term:N", sort=list(memory.parts), title=None),
+            x=alt.X("GB:Q", title="GB (10^9 bytes)"),
+            tooltip=["term", alt.Tooltip("GB:Q", format=",.3f"), "formula"],
+        )
+    )
+    chart = bars
+    if memory.device_gb:
+        rule = (
+            alt.Chart(pl.DataFrame({"GB": [memory.device_gb]}))
+            .mark_rule(color="#e45756", strokeDash=[4, 3])
+            .encode(x="GB:Q")
+        )
+        chart = bars + rule
+    return chart.properties(
+        width=420,
+        height=18 * len(memory.parts),
+        title=f"memory by formula: {memory.total_gb:.2f} GB peak",
+    )

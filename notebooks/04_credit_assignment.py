@@ -307,8 +307,8 @@ def _(mo):
 
 
 @app.cell
-def _(json, lab, mapo, mo):
-    @mo.cache
+def _(json, lab, mapo, notebook):
+    @notebook.cache
     def train_all(lab_json: str, presets_json: str, horizons: tuple, seeds: int):
         cfg = lab.LabConfig.model_validate_json(lab_json)
         advs = {

@@ -125,6 +125,7 @@ def _(
         },
         eval_every=0,
         samples_per_iteration=0,
+        torch_threads=1,
     )
     recipe.advantage.resolve().alpha
     return (recipe,)
@@ -149,16 +150,16 @@ def _(mo):
 
 
 @app.cell
-def _(Run, charts, mo, notebook, pl, recipe, train_button):
+def _(Run, charts, notebook, pl, recipe, train_button):
     history = []
     run = None
     if notebook.gate(train_button):
         import tempfile
 
         run = Run(recipe, folder=tempfile.mkdtemp(prefix="nb05-"), progress=False)
-        for _ in mo.status.progress_bar(range(recipe.train.iterations), title="iterations"):
+        for _ in notebook.progress(range(recipe.train.iterations), title="iterations"):
             history.append(run.step())
-            mo.output.replace(
+            notebook.show(
                 charts.run_curves(
                     pl.DataFrame(history, infer_schema_length=None),
                     ["reward/global_mean", "reward/local_mean", "judge/compliance"],

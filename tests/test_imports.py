@@ -6,6 +6,15 @@ import subprocess
 import sys
 
 CORE = [
+    "kitchen.calibrate",
+    "kitchen.train",
+    "kitchen.evaluate",
+    "kitchen.guard",
+    "kitchen.grm",
+    "kitchen.rollout",
+    "kitchen.jobs",
+    "kitchen.notebook",
+    "kitchen.decide",
     "kitchen",
     "kitchen.config",
     "kitchen.files",
