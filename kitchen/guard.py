@@ -11,8 +11,11 @@ It works on its own around any policy (`guard(messages)` for serving code, with
 `policy(messages) -> text`), and inside `kitchen.rollout` / `kitchen.evaluate`, which report
 results with and without it.
 
-Departure: only axioms are enforced. Theorems are preferences refined per user; blocking on them
-would turn the reward model's job into a filter and hide what the policy actually learned.
+Departures from the seeds:
+1. Only axioms are enforced. Theorems are preferences refined per user; blocking on them would
+   turn the reward model's job into a filter and hide what the policy actually learned.
+2. After `budget` regenerations the guard answers with a fixed, safe fallback message instead of
+   ending the conversation: the diner can go on, and the interception is logged.
 """
 
 from __future__ import annotations

@@ -33,6 +33,15 @@ recommendation.
 
 Invalid actions get `n/a` for every clause (the reason says why). A clause id the judge has no
 rule for gets `n/a` with reason "no rule" — the cascade in `kitchen.grm` sends those to the GRM.
+
+Departures from the seeds:
+1. The seeds have no rule oracle: in a real product every clause is subjective and only people
+   can audit the GRM. The concierge world is built so that every clause *is* checkable, so GRM
+   quality and reward hacking can be measured exactly; the judge stands in for the human
+   reviewers of seed 000 step 4.
+2. "Recommending" is read mechanically (the first dish a message names). A message that names a
+   dish only to rule it out counts as recommending it; the scripted agents and the diner read
+   messages the same way, so the world stays consistent.
 """
 
 from __future__ import annotations

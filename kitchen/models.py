@@ -841,7 +841,11 @@ def export_checkpoint(
             shutil.copy2(src / "recipe.yaml", tmp / "recipe.yaml")
         if dst.is_dir():
             for f in dst.iterdir():
-                if f.is_file() and not (tmp / f.name).exists() and f.suffix in (".md", ".json", ".jsonl"):
+                if (
+                    f.is_file()
+                    and not (tmp / f.name).exists()
+                    and f.suffix in (".md", ".json", ".jsonl")
+                ):
                     shutil.copy2(f, tmp / f.name)
         swap_folder(tmp, dst)
     finally:

@@ -205,8 +205,10 @@ def run_report(folder: str | os.PathLike, out: str | os.PathLike | None = None) 
     if not (folder / "metrics.parquet").exists():
         from kitchen.config import KitchenError
 
-        raise KitchenError(f"{folder}: no metrics.parquet; give a run folder that `kitchen cook` "
-                           "wrote (runs/<name>)")
+        raise KitchenError(
+            f"{folder}: no metrics.parquet; give a run folder that `kitchen cook` "
+            "wrote (runs/<name>)"
+        )
     recipe = (folder / "recipe.yaml").read_text() if (folder / "recipe.yaml").exists() else ""
     sections = run_sections(folder)
     sections.append(Section("recipe").pre(recipe))

@@ -14,6 +14,12 @@ must add.
 The same agent with higher quirk rates (and a few deliberate red-line breaches: asking for a phone
 number, naming a dish no tool returned, ordering a rejected dish) produces trajectories that break
 every clause of the concierge constitution; the judge labels them for GRM training.
+
+Departures from the seeds:
+1. Seed 001 synthesises the cold-start dialogues with an automated (LLM-driven) framework; here a
+   rule-based agent writes them, so the data is exact, cheap and reproducible on a CPU.
+2. The quirks are deliberately independent of the profile (a generic policy), which makes the
+   personalisation gap that RL must close visible and measurable.
 """
 
 from __future__ import annotations

@@ -22,4 +22,12 @@ advantage preset — moves to an engine that already shards models and batches:
 
 Nothing here is imported by the core kit: `import kitchen` works without verl, and TRL is
 imported only when this package's TRL module is.
+
+Departures from the kit's own loop (details in each module):
+1. Both engines train on one row per episode (prompt, then every turn with the environment's
+   replies masked out), the kit on one row per turn; the advantages are equal, the loss
+   aggregation only for token-mean.
+2. verl's estimator sees only token-level rewards: per-turn rewards and state keys reach MAPO
+   only through the kit's small trainer subclass; with verl's stock trainers MAPO keeps its
+   global term alone.
 """

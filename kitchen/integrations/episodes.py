@@ -17,11 +17,16 @@ that row from a `Trajectory`:
              outcome slot — the last response token — is never an action token)
 
 Every action keeps the ids the policy sampled, so the row's log-probabilities are those of the
-rollout. Departure: where the world normalised an action's text (it strips surrounding
-whitespace) the rendered conversation and the sampled ids differ, and later turns of the row see
-the sampled ids rather than the re-rendered text the policy saw at collection; `drift` counts
-those turns (0 for the tiny policy in practice). The kit's own loop re-renders every prompt and
-has no such drift — it pays for that by re-reading each conversation prefix once per turn.
+rollout.
+
+Departures from the kit's own loop:
+1. Where the world normalised an action's text (it strips surrounding whitespace) the rendered
+   conversation and the sampled ids differ, and later turns of the row see the sampled ids rather
+   than the re-rendered text the policy saw at collection; `drift` counts those turns (a few per
+   cent for the tiny policy). The kit's own loop packs a trajectory into one sequence only when
+   the two agree exactly, and otherwise scores each turn on its own re-rendered prompt.
+2. One row per episode weighs episodes, not turns, in the sequence-level loss aggregations (see
+   `kitchen.integrations.trl`); the default token-mean is the same in both.
 
 `job_pool` is the task pool of `kitchen cook` (the same tasks, profiles and diners for a given
 recipe), so a recipe means the same work in every engine.

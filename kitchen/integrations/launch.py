@@ -1,5 +1,7 @@
 """Launch files for many GPUs: accelerate configs (DDP, DeepSpeed ZeRO-2/3, FSDP2) and verl's.
 
+DESIGN §6: when one GPU is not enough, hand over to an existing engine with a documented launch.
+
 Generated, not hand-written: `files()` renders every file from a few parameters and
 `write_files()` writes them to `recipes/scale/` (the shipped copies; a test keeps the two
 equal). Notebook 07 shows them. What each backend is for:
@@ -17,6 +19,11 @@ equal). Notebook 07 shows them. What each backend is for:
 Several nodes: `accelerate` counts `num_processes` over all machines; each node runs the same
 command with its own `--machine_rank`, and `--main_process_ip` names node 0 (e.g. under SLURM:
 `--machine_rank $SLURM_NODEID --main_process_ip $MASTER_ADDR`).
+
+Choices:
+1. The files are generated, not written by hand, so the ones in the repository cannot drift from
+   what the code expects (a test compares them).
+2. Defaults assume 8 GPUs per node (`GPUS_PER_NODE`); change it and regenerate for other nodes.
 """
 
 from __future__ import annotations
