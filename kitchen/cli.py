@@ -1,4 +1,4 @@
-"""The `kitchen` command line.
+"""The `kitchen` command line (DESIGN §2): every stage of the kit as a subcommand.
 
 Every subcommand imports what it needs when it runs, so `kitchen --help` is instant. A user
 mistake (a bad file, a bad argument) prints `PATH:LINE: where: what is wrong and how to fix it`

@@ -1,5 +1,8 @@
 """Files that survive a crash: atomic writes and JSONL.
 
+The kit's standard is that nothing is lost: runs resume after a kill (`kitchen.train`), caches
+and shipped data are never half-written.
+
 A run is killed at the worst moment sooner or later. Every file the kit writes goes through
 `atomic_write_*`: the bytes land in a temporary file next to the target, are flushed to disk,
 and replace the target in one `os.replace` — so a reader sees the old file or the new one, never
