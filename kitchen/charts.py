@@ -2,11 +2,12 @@
 
 DESIGN §3 ends every iteration in "metrics (polars rows) → charts (altair) → notebooks / run
 report"; this is that last arrow. It is the one module that imports altair and polars at import
-time; the core modules never do,
-so the GPU and distributed paths run without them. Every function takes plain kit objects or
-polars frames and returns an `alt.Chart`; none of them computes method results (those live in
-the modules they chart). Run logs are down-sampled before charting (altair refuses more than
-5,000 rows in a plain chart).
+time; the core modules never do, so the GPU and distributed paths run without them. Every
+function takes plain kit objects or polars frames and returns an `alt.Chart`; none of them
+computes method results (those live in the modules they chart).
+
+Departure: long run logs are down-sampled (every k-th row, `downsample`) before charting, since
+altair refuses more than 5,000 rows in a plain chart; curves keep their shape, not every point.
 """
 
 from __future__ import annotations
