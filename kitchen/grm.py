@@ -9,17 +9,24 @@ constitution without retraining.
 The review language (what the GRM is trained to write; `parse_review` reads it):
 
     critique:
+    t0 searches thai
+    t1 recommends Tofu Satay, 9 words, diner agrees
+    t1 A1: Tofu Satay contains peanut
+    t1 T1: Tofu Satay recommended without an allergen check
+    t2 orders Tofu Satay
     t2 A1: Tofu Satay contains peanut
     t2 T1: Tofu Satay recommended without an allergen check
     verdicts:
-    t0: A2+ T3+
-    t1:
-    t2: A1- A2+ A3+ A4+ T1- T3+
+    t0:
+    t1: A1- A2+ A3+ A4+ T1- T3+
+    t2: A1- A3+ A4+ T1- T2+
     overall: violate
 
-One line per assistant turn lists the clauses that apply (`+` pass, `-` violate); an active clause
-not listed on a present line is n/a. A turn whose line is missing or unreadable is *masked* (no
-signal), never guessed — `parse_review` never raises.
+The critique walks the turns: what each turn did (`turn_facts`), then the reason of every clause
+it broke. One verdict line per assistant turn lists the clauses that apply (`+` pass, `-`
+violate); an active clause not listed on a present line is n/a. A turn whose line is missing or
+unreadable is *masked* (no signal), never guessed — `parse_review` never raises, and reads only
+the verdict lines and the reasons (`t<k> <clause>: ...`), so the fact lines are free text.
 
 Inference options from the method (seed 000 §7 FAQ 2, §8 "cost"): `samples` reviews with a
 majority vote per (turn, clause); a `cascade` — clauses listed there are decided by the rule judge
@@ -28,16 +35,20 @@ temperature. One generation reviews a whole trajectory (every turn, every clause
 trajectories are generated together.
 
 Hard to fool: the policy's text reaches the GRM's prompt. Untrusted text is escaped so it cannot
-forge the prompt's delimiters (`<|` and `|>` are broken apart, section headers are indented); only
-the GRM's *generated* text is parsed, so a fake verdict line inside an agent message cannot become
-a verdict; and such attempts — fake verdict lines, cited clause ids, "ignore the rules", delimiter
+forge the prompt's delimiters (`<|` and `|>` are broken apart, section headers are indented, line
+breaks become " / ", so every prompt line starts with a genuine `t<k> agent/tool/diner` marker);
+only the GRM's *generated* text is parsed, so a fake verdict line inside an agent message cannot
+become a verdict; and such attempts — fake verdict lines, cited clause ids, "ignore the rules", delimiter
 look-alikes, review-shaped answers — are detected and recorded in `Review.flags`.
 
-Truncation (a trajectory longer than the GRM's context): (1) tool outputs are cut to the dish names
-they contain, oldest first; (2) long messages keep their first and last words with "[...]" and
-keep their word-count annotation; (3) if still too long, turns are reviewed in windows — each
-window's prompt holds the turns it judges in full and the earlier turns as one-line action
-summaries. Every turn is judged in exactly one window; a turn is never dropped.
+Truncation (a trajectory longer than the GRM's context; `plan_windows`): the prompt budget is
+`max_prompt_tokens`, never more than the model's context minus `max_new_tokens`. If the whole
+dialogue does not fit, (1) tool outputs are cut to the dish names they contain; (2) then long
+messages keep their first and last 12 words around "[...]" (the word-count annotation still
+gives the full length); (3) if still too long, turns are reviewed in windows — each window's
+prompt holds the turns it judges and the earlier turns as one-line summaries (first and last 4
+words), and asks for those turns only. Every turn is judged in exactly one window; a turn is
+never dropped (a single turn too long for any window is still sent, clipped).
 
 Departures from the seeds:
 1. Assistant messages are annotated with their word count in the prompt: counting is a weak spot
@@ -45,6 +56,11 @@ Departures from the seeds:
 2. `clause_text="compact"` renders clauses as ids with their parameters (e.g.
    `T3(max_words=12)`), for the tiny GRM whose context is short; "full" renders their text, for
    real chat models.
+3. The critique opens with one fact line per turn before any verdict. A 3M-parameter GRM
+   trained from scratch on the plain "violations, then verdicts" language learnt the average
+   review and ignored the dialogue (33% accuracy on pass/violate cells after 3,000 examples);
+   stating the facts first gives it a scratchpad: each verdict then depends on a few lines the
+   GRM itself just wrote.
 """
 
 from __future__ import annotations
@@ -59,7 +75,7 @@ from pydantic import Field
 from kitchen.config import StrictModel
 from kitchen.constitution import PersonalConstitution
 from kitchen.review import ClauseVerdict, Review, overall_from
-from kitchen.world import Menu, Trajectory, load_menu, word_count
+from kitchen.world import Menu, Trajectory, asks_cuisine, load_menu, word_count
 
 if TYPE_CHECKING:
     import torch
@@ -117,9 +133,28 @@ class GRMConfig(StrictModel):
     clause_text: Literal["compact", "full"] = Field(
         "compact", description="compact: ids with parameters (tiny GRM); full: clause texts."
     )
-    max_prompt_tokens: int = Field(900, ge=64, description="Context budget for the prompt.")
-    max_new_tokens: int = Field(200, ge=8, description="Budget for the generated review.")
+    max_prompt_tokens: int = Field(
+        768,
+        ge=64,
+        description="Context budget for the prompt; longer trajectories are reviewed in windows "
+        "(the truncation rule). Never more than the model's context minus max_new_tokens. 768: "
+        "the shipped tiny GRM's 1,408 positions minus its review budget.",
+    )
+    max_new_tokens: int = Field(
+        640,
+        ge=8,
+        description="Budget for the generated review. A review the budget cuts loses its last "
+        "turns (masked). 640: the longest judge review in the tiny GRM's data is ~640 tokens.",
+    )
     batch_size: int = Field(16, ge=1, description="Trajectories generated together.")
+    structured: bool = Field(
+        True,
+        description="Constrain decoding to the review language's line structure: critique "
+        "lines start with the current or the next turn (`t<k> `), verdict lines come one per "
+        "judged turn in order (`t<k>:`), then `overall:`; what a line says is the model's. "
+        "A small GRM otherwise skips or repeats turns, which masks their verdicts. Off: free "
+        "generation (parse failures are then the model's alone).",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,14 +162,17 @@ class GRMConfig(StrictModel):
 
 
 def sanitize(text: str) -> str:
-    """Neutralise untrusted text: no prompt delimiters, no section headers at line starts."""
+    """Neutralise untrusted text: no prompt delimiters, no section headers, and no line breaks —
+    each message stays on the one prompt line its `t<k> agent:` marker opens, so a fake
+    `t1: A1+ ...` line or `verdicts:` header inside it cannot start a line of its own."""
     text = text.replace("<|", "< |").replace("|>", "| >")
-    return re.sub(
+    text = re.sub(
         r"^(\s*)(critique|verdicts|overall)(\s*:)",
         r"\1 \2\3",
         text,
         flags=re.IGNORECASE | re.MULTILINE,
     )
+    return " / ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 def injection_flags(traj: Trajectory) -> list[str]:
@@ -255,18 +293,83 @@ def plan_windows(
 # The review language
 
 
-def format_review(review: Review) -> str:
-    """A `Review` as the text the GRM is trained to write."""
+def turn_facts(traj: Trajectory, menu: Menu | None = None) -> dict[int, str]:
+    """What each assistant turn did, in a few words — the first lines of a review's critique.
+
+    `searches thai`, `checks Tofu Satay (peanut, soy)`, `orders Tofu Satay`, `recommends Tofu Satay, 9 words,
+    diner agrees`, `confirms Tofu Satay, 5 words`, `asks the cuisine, 4 words`, `chats, 7 words`,
+    `invalid action` (with `, also names X` when a message names more dishes, and the diner's
+    answer when it agreed or refused). These are the facts every clause is decided from: writing
+    them first turns the verdicts into a short look back over the review's own lines, instead
+    of a search through the whole dialogue — a scratchpad that a small model needs (departure 3).
+    """
+    from kitchen.judge import AGREE_RE, REJECT_RE, replay
+
+    out: dict[int, str] = {}
+    for t, info in zip(replay(traj, menu), traj.turns, strict=True):
+        if t.kind == "invalid":
+            fact = "invalid action"
+        elif t.tool == "search":
+            fact = f"searches {' '.join((info.action.argument or '').split()[:3])}"
+            if t.reply.startswith("no dishes"):
+                fact += ", nothing found"
+        elif t.tool in ("allergens", "order"):
+            verb = "checks" if t.tool == "allergens" else "orders"
+            fact = f"{verb} {t.dish.name}" if t.dish else f"{verb} a dish not on the menu"
+            if t.tool == "allergens" and t.dish:  # what the tool answered
+                fact += f" ({', '.join(t.dish.allergens) or 'no allergens'})"
+        else:
+            words = word_count(t.text)
+            if t.dish is not None:
+                verb = "confirms" if t.dish.name in t.agreed else "recommends"
+                fact = f"{verb} {t.dish.name}"
+                fact += "".join(f", also names {d.name}" for d in t.named[1:3])
+            elif asks_cuisine(t.text):
+                fact = "asks the cuisine"
+            else:
+                fact = "chats"
+            fact += f", {words} words"
+            if REJECT_RE.match(t.reply):
+                fact += ", diner refuses"
+            elif AGREE_RE.match(t.reply):
+                fact += ", diner agrees"
+        out[t.index] = fact
+    return out
+
+
+def format_review(
+    review: Review,
+    *,
+    facts: dict[int, str] | None = None,
+    first: int = 0,
+    last: int | None = None,
+) -> str:
+    """A `Review` as the text the GRM is trained to write; `first..last` for one window (the
+    truncation rule), where `overall` speaks for the turns of that window.
+
+    With `facts` (`turn_facts`), the critique walks the turns in order: each turn's fact line,
+    then the reasons of its violations; without, it lists the violations only.
+    """
+    last = review.turns - 1 if last is None else last
+    mine = [v for v in review.verdicts if first <= v.turn <= last]
     lines = ["critique:"]
-    why = [v for v in review.verdicts if v.verdict == "violate"]
-    lines += [f"t{v.turn} {v.clause}: {v.reason}" for v in why] or ["none"]
+    why = [v for v in mine if v.verdict == "violate"]
+    if facts is not None:
+        for t in range(first, last + 1):
+            lines.append(f"t{t} {facts.get(t, 'no action')}")
+            lines += [f"t{v.turn} {v.clause}: {v.reason}" for v in why if v.turn == t]
+        if len(lines) == 1:
+            lines.append("none")
+    else:
+        lines += [f"t{v.turn} {v.clause}: {v.reason}" for v in why] or ["none"]
     lines.append("verdicts:")
-    by_turn: dict[int, list[str]] = {t: [] for t in range(review.turns)}
-    for v in review.verdicts:
+    by_turn: dict[int, list[str]] = {t: [] for t in range(first, last + 1)}
+    for v in mine:
         if v.verdict in ("pass", "violate"):
             by_turn[v.turn].append(f"{v.clause}{'+' if v.verdict == 'pass' else '-'}")
     lines += [f"t{t}: {' '.join(entries)}".rstrip() for t, entries in by_turn.items()]
-    lines.append(f"overall: {review.overall or overall_from(review.verdicts)}")
+    overall = review.overall if (first, last) == (0, review.turns - 1) else None
+    lines.append(f"overall: {overall or overall_from(mine)}")
     return "\n".join(lines)
 
 
@@ -440,15 +543,31 @@ class GRM:
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
+    def prompt_budget(self) -> int:
+        """Tokens a prompt may take: `cfg.max_prompt_tokens`, but never more than the model's
+        context (`max_position_embeddings`) minus the review's own budget `cfg.max_new_tokens` —
+        a prompt that fits but leaves no room for the review would be cut mid-verdict."""
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        budget = self.cfg.max_prompt_tokens
+        if isinstance(limit, int):
+            budget = min(budget, limit - self.cfg.max_new_tokens)
+        return max(budget, 1)
+
     def review(
         self, trajectories: Sequence[Trajectory], pcs: Sequence[PersonalConstitution]
     ) -> list[Review]:
         """One review per trajectory: cascade, prompt(s), batched generation, parse, vote."""
+        return self.review_with_samples(trajectories, pcs)[0]
+
+    def review_with_samples(
+        self, trajectories: Sequence[Trajectory], pcs: Sequence[PersonalConstitution]
+    ) -> tuple[list[Review], list[list[Review]]]:
+        """`(reviews, samples)`: the voted reviews, and per trajectory the `cfg.samples` reviews
+        the vote was taken over (to measure what voting gains over one sample)."""
         from kitchen.judge import judge
 
-        cfg = self.cfg
+        cfg = self.cfg.model_copy(update={"max_prompt_tokens": self.prompt_budget()})
         jobs: list[tuple[int, int, int, list[dict[str, str]]]] = []  # (traj, first, last, prompt)
-        partial: list[list[Review]] = [[] for _ in trajectories]
         rule_reviews: list[Review | None] = [None] * len(trajectories)
         for i, (traj, pc) in enumerate(zip(trajectories, pcs, strict=True)):
             if cfg.cascade:
@@ -459,7 +578,14 @@ class GRM:
                 jobs.append(
                     (i, first, last, build_prompt(traj, pc, cfg, first=first, last=last, **opts))
                 )
-        texts = self.generate([j[3] for j in jobs])
+        spans = [(first, last, len(pcs[i].ids)) for i, first, last, _ in jobs]
+        texts = (
+            self.generate([j[3] for j in jobs], spans)
+            if cfg.structured
+            else self.generate([j[3] for j in jobs])
+        )
+        # parts[i][s]: the parsed windows of sample s of trajectory i
+        parts: list[list[list[Review]]] = [[[] for _ in range(cfg.samples)] for _ in trajectories]
         for (i, first, last, _), samples in zip(jobs, texts, strict=True):
             traj, pc = trajectories[i], pcs[i]
             parsed = [
@@ -472,44 +598,45 @@ class GRM:
                 )
                 for s in samples
             ]
-            partial[i].append(vote(parsed) if len(parsed) > 1 else parsed[0])
+            for k, p in enumerate(parsed):
+                parts[i][k].append(p)
             self.stats["generations"] += len(samples)
             self.stats["unparsed_samples"] += sum(p.parsed_fraction < 1 for p in parsed)
-        out = []
+        out, all_samples = [], []
         for i, (traj, pc) in enumerate(zip(trajectories, pcs, strict=True)):
-            verdicts = [v for r in partial[i] for v in r.verdicts]
-            grm_review = None
-            if partial[i]:
-                produced = sum(v.verdict is not None for v in verdicts)
-                overall = (
-                    overall_from(verdicts)
-                    if all(r.overall for r in partial[i]) and produced == len(verdicts)
-                    else partial[i][-1].overall
-                )
-                grm_review = Review(
-                    trajectory=traj.id,
-                    personal_version=pc.version,
-                    source="grm",
-                    turns=len(traj.turns),
-                    clauses=pc.ids,
-                    verdicts=verdicts,
-                    overall=overall,
-                    parsed_fraction=produced / len(verdicts) if verdicts else 1.0,
-                )
-            review = (
-                merge_cascade(grm_review, rule_reviews[i], cfg.cascade)
-                if cfg.cascade
-                else grm_review
-            )
-            review.flags = injection_flags(traj)
+            flags = injection_flags(traj)
+            samples = []
+            for windows in parts[i]:
+                r = _assemble(traj, pc, windows) if windows or not cfg.cascade else None
+                if cfg.cascade:
+                    r = merge_cascade(r, rule_reviews[i], cfg.cascade)
+                if r is not None:
+                    r.flags = flags
+                    samples.append(r)
+            review = vote(samples) if len(samples) > 1 else samples[0]
+            review = review.model_copy(update={"flags": flags})
             self.stats["reviews"] += 1
             self.stats["flagged"] += bool(review.flags)
             self.stats["partial"] += review.parsed_fraction < 1
             out.append(review)
-        return out
+            all_samples.append(samples)
+        return out, all_samples
 
-    def generate(self, prompts: Sequence[list[dict[str, str]]]) -> list[list[str]]:
-        """`cfg.samples` completions per chat prompt, generated in batches (left padding)."""
+    def _vocab(self) -> list[str]:
+        if getattr(self, "_vocab_strings", None) is None:
+            self._vocab_strings = [self.tok.decode([i]) for i in range(len(self.tok))]
+        return self._vocab_strings
+
+    def generate(
+        self,
+        prompts: Sequence[list[dict[str, str]]],
+        windows: Sequence[tuple[int, int, int]] | None = None,
+    ) -> list[list[str]]:
+        """`cfg.samples` completions per chat prompt, generated in batches (left padding).
+
+        `windows[i] = (first, last, clauses)` of prompt i turns on the structure constraint
+        (`cfg.structured`, `ReviewStructure`) for it; without, generation is free.
+        """
         import torch
 
         cfg, tok, model = self.cfg, self.tok, self.model
@@ -539,12 +666,122 @@ class GRM:
                 }
             else:
                 kwargs |= {"do_sample": False}
+            if windows is not None and cfg.structured:
+                spans = windows[start : start + cfg.batch_size]
+                kwargs["prefix_allowed_tokens_fn"] = ReviewStructure(
+                    self._vocab(), enc["input_ids"].shape[1], spans, cfg.samples
+                )
             with torch.no_grad(), _adapter(model, cfg.adapter):
                 seqs = model.generate(**enc, **kwargs)
             new = seqs[:, enc["input_ids"].shape[1] :]  # [B * samples, new]
             decoded = tok.batch_decode(new, skip_special_tokens=True)
             out += [decoded[k * cfg.samples : (k + 1) * cfg.samples] for k in range(len(chunk))]
         return out
+
+
+class ReviewStructure:
+    """`prefix_allowed_tokens_fn` for `generate`: the review language's line structure.
+
+    Per generated row (prompt `row // samples` of the batch, judging turns `first..last` under
+    `clauses` active clauses), at the start of each line after `critique:` only these may begin:
+
+    - in the critique: `t<k> ` (another line about the current turn k — its fact, then at most
+      one reason per clause), `t<k+1> ` (the next turn's fact), or `verdicts:` once turn `last`
+      was described;
+    - in the verdicts: `t<j>:` for the next turn j in order, then `overall:`.
+
+    Tokens are allowed when their text keeps the line a prefix of (or runs past the end of) one
+    of those strings; once a line has its marker, and after `overall:`, decoding is free. So the
+    GRM decides every fact, reason and verdict, but cannot skip, repeat or invent a turn — the
+    mistake that otherwise masks most unparsed verdicts of a small GRM. Works with any
+    tokenizer (the vocabulary's strings are matched, not token ids).
+    """
+
+    def __init__(
+        self,
+        vocab: list[str],
+        prompt_len: int,
+        windows: Sequence[tuple[int, int, int]],
+        samples: int = 1,
+    ):
+        self.vocab, self.prompt_len = vocab, prompt_len
+        self.windows, self.samples = list(windows), samples
+        self.everything = list(range(len(vocab)))
+        self.by_first: dict[str, list[int]] = {}
+        for i, piece in enumerate(vocab):
+            if piece:
+                self.by_first.setdefault(piece[0], []).append(i)
+        self.texts: dict[int, tuple[int, str]] = {}  # row -> (tokens seen, text)
+
+    def _text(self, row: int, ids: list[int]) -> str:
+        seen, text = self.texts.get(row, (0, ""))
+        if seen > len(ids):  # a new generate call reusing the object: start over
+            seen, text = 0, ""
+        text += "".join(self.vocab[i] if i < len(self.vocab) else "" for i in ids[seen:])
+        self.texts[row] = (len(ids), text)
+        return text
+
+    def allowed_starts(self, row: int, text: str) -> list[str] | None:
+        """The strings the current line may start with, or None (free)."""
+        first, last, clauses = self.windows[row // self.samples]
+        lines = text.split("\n")
+        done = [line.strip() for line in lines[:-1]]
+        if "critique:" not in done:
+            return None
+        if any(line.startswith("overall:") for line in done):
+            return None
+        if "verdicts:" in done:
+            written = sum(bool(_VERDICT_LINE.match(x)) for x in done[done.index("verdicts:") + 1 :])
+            nxt = first + written
+            return [f"t{nxt}:"] if nxt <= last else ["overall:"]
+        turns = [
+            int(m.group(1))
+            for x in done[done.index("critique:") + 1 :]
+            if (m := re.match(r"^t(\d+) ", x))
+        ]
+        if not turns:
+            return [f"t{first} "]
+        k, count = turns[-1], turns.count(turns[-1])
+        starts = [f"t{k} "] if count < 1 + clauses else []
+        starts.append(f"t{k + 1} " if k < last else "verdicts:")
+        return starts
+
+    def __call__(self, row: int, input_ids: Any) -> list[int]:
+        text = self._text(row, input_ids[self.prompt_len :].tolist())
+        starts = self.allowed_starts(row, text)
+        if not starts:
+            return self.everything
+        line = text.split("\n")[-1]
+        allowed: list[int] = []
+        for start in starts:
+            if line.startswith(start):
+                return self.everything  # the marker is written: the rest is the model's
+            if not start.startswith(line):
+                continue
+            rest = start[len(line) :]
+            allowed += [
+                i
+                for i in self.by_first.get(rest[0], [])
+                if rest.startswith(self.vocab[i]) or self.vocab[i].startswith(rest)
+            ]
+        return allowed or self.everything
+
+
+def _assemble(traj: Trajectory, pc: PersonalConstitution, windows: Sequence[Review]) -> Review:
+    """One review from the reviews of a trajectory's windows (in turn order)."""
+    verdicts = [v for r in windows for v in r.verdicts]
+    produced = sum(v.verdict is not None for v in verdicts)
+    complete = all(r.overall for r in windows) and produced == len(verdicts)
+    return Review(
+        trajectory=traj.id,
+        personal_version=pc.version,
+        source="grm",
+        turns=len(traj.turns),
+        clauses=pc.ids,
+        verdicts=verdicts,
+        overall=overall_from(verdicts) if complete else windows[-1].overall,
+        parsed_fraction=produced / len(verdicts) if verdicts else 1.0,
+    )
 
 
 class _adapter:
