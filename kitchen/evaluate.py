@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -48,31 +48,50 @@ class EvalConfig(StrictModel):
 
 
 def eval_jobs(
-    cfg: EvalConfig, constitution: Any = None
+    cfg: EvalConfig, constitution: Any = None, split: Literal["train", "heldout"] = "heldout"
 ) -> list[tuple[Task, PersonalConstitution, dict[str, Any]]]:
     """Held-out (task, personal constitution, diner values) jobs: every held-out profile meets
-    tasks that some dish fits for it. Deterministic in `cfg.seed`."""
+    tasks that some dish fits for it. Deterministic in `cfg.seed`.
+
+    `split="train"` draws the same kind of jobs from the training tasks and profiles instead
+    (e.g. policy samples for GRM training data, which must not see the held-out set)."""
     from kitchen import paths
     from kitchen.constitution import PersonalizationCache, load_constitution
-    from kitchen.profile import load_profiles, redact
+    from kitchen.profile import load_profiles
     from kitchen.world import fitting, generate_tasks, load_split
 
     c = constitution or load_constitution(paths.DEFAULT_CONSTITUTION)
-    held = set(load_split("heldout"))
+    held = set(load_split(split))
     profiles = [p for p in load_profiles(paths.PROFILES) if p.id in held]
     cache = PersonalizationCache()
     menu = load_menu()
     jobs = []
-    for task in generate_tasks(cfg.tasks * 4, seed=cfg.seed, split="heldout"):
+    for task in generate_tasks(cfg.tasks * 4, seed=cfg.seed, split=split):
         if len(jobs) == cfg.tasks:
             break
         profile = profiles[len(jobs) % len(profiles)]  # every held-out profile in turn
-        pc = cache.get(c, profile)
-        real = {k: v.value for k, v in redact(profile).dimensions.items()}
-        diner = pc.dimensions | {k: v for k, v in real.items() if k in pc.dimensions}
+        job = make_job(task, profile, c, cache)
+        diner = job[2]
         if fitting(menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"):
-            jobs.append((task, pc, diner))
+            jobs.append(job)
     return jobs
+
+
+def make_job(
+    task: Task, profile: Any, constitution: Any = None, cache: Any = None
+) -> tuple[Task, PersonalConstitution, dict[str, Any]]:
+    """One (task, personal constitution, diner values) job for `profile`: the policy and the
+    judge see the personal constitution's (effective) dimensions; the simulated diner holds the
+    profile's real values, low-confidence ones included."""
+    from kitchen import paths
+    from kitchen.constitution import PersonalizationCache, load_constitution
+    from kitchen.profile import redact
+
+    c = constitution or load_constitution(paths.DEFAULT_CONSTITUTION)
+    pc = (cache or PersonalizationCache()).get(c, profile)
+    real = {k: v.value for k, v in redact(profile).dimensions.items()}
+    diner = pc.dimensions | {k: v for k, v in real.items() if k in pc.dimensions}
+    return task, pc, diner
 
 
 def compliance(review: Review, pc: PersonalConstitution) -> float:
@@ -283,3 +302,107 @@ def evaluate(
         report.guarded = policy_report(out["guarded"], pcs)
         report.guarded.guard_interceptions = sum(len(g.log) for g in guards)
     return report, out
+
+
+# --------------------------------------------------------------------------------------------
+# The command line: `kitchen eval`
+
+
+def format_report(report: EvalReport, names: dict[str, str] | None = None) -> str:
+    """A compact text table of an `EvalReport`: one column per policy played (policy, baseline,
+    guarded), rows for success, valid actions, compliance, axiom violations, per-clause pass
+    rates (with their counts) and the personalisation metrics, then the win rate."""
+    names = names or {}
+    cols = [("policy", report.policy), ("baseline", report.baseline), ("guarded", report.guarded)]
+    cols = [(k, r) for k, r in cols if r is not None]
+    width = 16
+    head = f"{'metric':26}" + "".join(f"{k:>{width}}" for k, _ in cols)
+    lines = [head, "-" * len(head)]
+
+    def row(label: str, cells: list[str]) -> None:
+        lines.append(f"{label:26}" + "".join(f"{c:>{width}}" for c in cells))
+
+    row("episodes", [str(r.episodes) for _, r in cols])
+    row("success", [f"{r.success:.1%}" for _, r in cols])
+    row("valid actions", [f"{r.valid_actions:.1%}" for _, r in cols])
+    row("truncated turns", [f"{r.truncated:.1%}" for _, r in cols])
+    row("compliance", [f"{r.compliance:.1%}" for _, r in cols])
+    row("axiom violations", [str(r.axiom_violations) for _, r in cols])
+    if report.guarded is not None:
+        row(
+            "guard interceptions",
+            ["" if k != "guarded" else str(r.guard_interceptions) for k, r in cols],
+        )
+    lines.append("clause pass rate (n judged)")
+    clauses = sorted({c for _, r in cols for c in r.clause_pass})
+    for c in clauses:
+        row(
+            f"  {c}",
+            [
+                f"{r.clause_pass[c]:.1%} ({r.clause_n[c]})" if c in r.clause_pass else "-"
+                for _, r in cols
+            ],
+        )
+    lines.append("personalisation")
+    keys = sorted({k for _, r in cols for k in r.personalisation})
+    for k in keys:
+        row(
+            f"  {k}",
+            [f"{r.personalisation[k]:.2f}" if k in r.personalisation else "-" for _, r in cols],
+        )
+    if report.win_rate is not None:
+        rate, lo, hi = report.win_rate
+        lines.append(
+            f"win rate of policy over baseline: {rate:.1%} (95% bootstrap interval "
+            f"{lo:.1%} – {hi:.1%}; ties count half)"
+        )
+    for k, v in names.items():
+        lines.append(f"{k}: {v}")
+    return "\n".join(lines)
+
+
+def eval_main(
+    policy: str,
+    *,
+    baseline: str | None = None,
+    tasks: int | None = None,
+    samples: int | None = None,
+    seed: int | None = None,
+    guard: bool = False,
+    out: str | None = None,
+) -> int:
+    """`kitchen eval --policy PATH [--baseline PATH] [--tasks N] [--samples K] [--seed S]
+    [--guard] [--out FILE]`: play the held-out set, judge it by rules, print the table.
+
+    Omitted numbers take `EvalConfig`'s defaults. `--out` also writes the report as JSON.
+    Model paths are what `kitchen.models.load_model` accepts (a folder, or a hub name).
+    """
+    import time
+
+    from kitchen.files import atomic_write_json
+    from kitchen.models import ModelSpec, load_model
+
+    given = {"tasks": tasks, "samples": samples, "seed": seed}
+    cfg = EvalConfig(**{k: v for k, v in given.items() if v is not None})
+    start = time.perf_counter()
+    pol = load_model(ModelSpec(path=policy))
+    base = load_model(ModelSpec(path=baseline)) if baseline else None
+    report, _ = evaluate(pol, cfg, base, with_guard=guard)
+    seconds = time.perf_counter() - start
+    names = {"policy": policy}
+    if baseline:
+        names["baseline"] = baseline
+    command = "kitchen eval --policy " + policy + (f" --baseline {baseline}" if baseline else "")
+    command += f" --tasks {cfg.tasks} --samples {cfg.samples} --seed {cfg.seed}"
+    command += " --guard" if guard else ""
+    print(
+        f"held-out evaluation: {cfg.tasks} tasks × {cfg.samples} samples, seed {cfg.seed}, "
+        f"judged by rules ({seconds:.0f} s)"
+    )
+    print(format_report(report, names))
+    if out:
+        atomic_write_json(
+            out, report.model_dump(mode="json") | {"command": command, "names": names}
+        )
+        print(f"report: {out}")
+    return 0

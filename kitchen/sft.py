@@ -53,6 +53,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -545,11 +546,35 @@ def _sampling_args(config_cls: type, grouped: bool) -> dict[str, Any]:
     return {"group_by_length": grouped}
 
 
-def run_sft(recipe: SFTRecipe, *, resume: bool = False) -> SFTResult:
-    """Train as `recipe` says and save `final/`; see the module docstring for what is written."""
+def _log_callback(fn: Callable[[dict[str, Any]], None]) -> Any:
+    """A transformers `TrainerCallback` that forwards every logged row (with its step) to `fn`."""
+    from transformers import TrainerCallback
+
+    class LogCallback(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any):
+            if logs:
+                fn(dict(logs) | {"step": state.global_step})
+
+    return LogCallback()
+
+
+def run_sft(
+    recipe: SFTRecipe,
+    *,
+    resume: bool = False,
+    on_log: Callable[[dict[str, Any]], None] | None = None,
+) -> SFTResult:
+    """Train as `recipe` says and save `final/`; see the module docstring for what is written.
+
+    `on_log(row)` is called with every row the trainer logs (train loss and learning rate every
+    `log_every` steps, eval loss every `eval_every`), `step` included: a notebook draws its live
+    loss chart from it.
+    """
     recipe = resolve_paths(recipe)
     out = Path(recipe.output_dir)
     trainer, checkpoint = build_trainer(recipe, resume=resume)
+    if on_log is not None:
+        trainer.add_callback(_log_callback(on_log))
     out.mkdir(parents=True, exist_ok=True)
     text = _recipe_yaml(recipe)
     atomic_write_text(out / "recipe.yaml", text)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kitchen.evaluate import (
     EvalConfig,
+    EvalReport,
     bootstrap_interval,
     compliance,
     eval_jobs,
+    format_report,
     judged_scores,
     policy_report,
     reward_gap,
@@ -17,6 +21,8 @@ from kitchen.evaluate import (
 from kitchen.judge import judge
 from kitchen.scripted import IDEAL_QUIRKS, SFT_QUIRKS, episodes
 from kitchen.world import load_split
+
+from .conftest import run_cli
 
 
 def test_eval_jobs_are_heldout_and_deterministic():
@@ -69,3 +75,42 @@ def test_compliance_and_reward_gap():
     )
     gap = reward_gap([generous], [r], [pc])
     assert gap >= 0.0 and (gap > 0) == bool(r.violations())
+
+
+def test_eval_cli_prints_the_table_and_a_policy_ties_with_itself(tmp_path):
+    """`kitchen eval` with the shipped policy as both policy and baseline: same seeds, same
+    episodes, so every pair ties and the win rate is exactly 50%; the table and the JSON report
+    carry every metric."""
+    out = tmp_path / "eval.json"
+    res = run_cli(
+        "eval",
+        "--policy",
+        "data/models/policy-tiny",
+        "--baseline",
+        "data/models/policy-tiny",
+        "--tasks",
+        "3",
+        "--samples",
+        "1",
+        "--seed",
+        "5",
+        "--out",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    for needle in ("success", "valid actions", "axiom violations", "A1", "words/", "win rate"):
+        assert needle in res.stdout, needle
+    rep = json.loads(out.read_text())
+    assert rep["win_rate"][0] == 0.5 and rep["policy"] == rep["baseline"]
+    assert rep["policy"]["episodes"] == 3 and rep["command"].startswith("kitchen eval")
+
+
+def test_format_report_has_one_column_per_policy_played():
+    eps = episodes(6, seed=3, quirks=SFT_QUIRKS)
+    rep = policy_report([t for t, _ in eps], [pc for _, pc in eps])
+    report = EvalReport(config=EvalConfig(tasks=6, samples=1), policy=rep, guarded=rep)
+    lines = format_report(report).splitlines()
+    assert lines[0].split() == ["metric", "policy", "guarded"]
+    success = next(line for line in lines if line.startswith("success"))
+    assert success.split()[1] == f"{rep.success:.1%}"
+    assert any(line.strip().startswith("T3") for line in lines)

@@ -22,10 +22,12 @@ from kitchen.models import (
     build_tiny_model,
     count_parameters,
     disable_cpu_4bit_repacking,
+    export_checkpoint,
     load_adapter,
     load_model,
     lora_config,
     render_chat,
+    reply,
     save_adapter,
     token_logprobs,
     train_tokenizer,
@@ -351,6 +353,39 @@ def test_load_model_reads_a_tiny_checkpoint(tok, micro, tmp_path):
     model.eval()
     assert_close(_logits(model, ids, am), _logits(micro, ids, am))
     assert back.padding_side == "left" and back.pad_token_id == tok.pad_token_id
+
+
+def test_export_checkpoint_stores_float16_and_loads_back_in_float32(tok, micro, tmp_path):
+    """The shipped-checkpoint format: half the bytes, float32 again after load_model, logits
+    within float16 rounding of the original, and extra files (PROVENANCE.md) kept."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    micro.save_pretrained(src)
+    tok.save_pretrained(src)
+    dst.mkdir()
+    (dst / "PROVENANCE.md").write_text("how it was made")
+    export_checkpoint(src, dst)
+    full = (src / "model.safetensors").stat().st_size
+    half = (dst / "model.safetensors").stat().st_size
+    assert half < 0.6 * full
+    assert (dst / "PROVENANCE.md").read_text() == "how it was made"
+    model, _ = load_model(ModelSpec(path=str(dst), device="cpu"))
+    assert next(model.parameters()).dtype == torch.float32
+    ids, am = batch(tok, [render_chat(MESSAGES)])
+    micro.eval()
+    model.eval()
+    assert_close(_logits(model, ids, am), _logits(micro, ids, am), atol=5e-2, rtol=1e-2)
+
+
+def test_reply_is_greedy_and_stops_at_the_end_of_the_turn(tok, micro):
+    """`reply` returns only the new assistant text, the same text twice when greedy, and leaves
+    the model's train/eval mode as it was."""
+    micro.train()
+    a = reply(micro, tok, MESSAGES[:2], max_new_tokens=8)
+    b = reply(micro, tok, MESSAGES[:2], max_new_tokens=8)
+    assert a == b and isinstance(a, str) and IM_END not in a and "<|im_start|>" not in a
+    assert micro.training
+    c = reply(micro, tok, MESSAGES[:2], max_new_tokens=8, temperature=1.0, seed=3)
+    assert c == reply(micro, tok, MESSAGES[:2], max_new_tokens=8, temperature=1.0, seed=3)
 
 
 def test_load_model_errors_say_what_to_do(tok, micro, tmp_path, monkeypatch):

@@ -88,9 +88,13 @@ def test_sft_run_learns_and_writes_hf_checkpoints(tmp_path, data):
     recipe = tiny_recipe(
         tmp_path, data, max_steps=120, eval_every=60, save_every=60, group_by_length=True
     )
-    result = run_sft(recipe)
+    logged: list[dict] = []
+    result = run_sft(recipe, on_log=logged.append)
     losses = result.eval_losses
     assert len(losses) == 3  # before training, at step 60, at step 120
+    # on_log saw every row as it was logged (what a notebook's live chart draws), with its step
+    assert [r["eval_loss"] for r in logged if "eval_loss" in r] == losses
+    assert [r["step"] for r in logged if "loss" in r] == list(range(10, 121, 10))
     assert losses[-1] < 0.5 * losses[0], losses
 
     out, final = result.output_dir, result.final_dir
