@@ -45,7 +45,6 @@ def _recipe(path: Path, name: str, iterations: int | None) -> dict[str, Any]:
         doc["train"]["iterations"] = iterations
         if doc.get("advantage", {}).get("overrides", {}).get("alpha", {}).get("steps"):
             doc["advantage"]["overrides"]["alpha"]["steps"] = iterations
-        doc["eval_every"] = iterations
     return doc
 
 
@@ -95,9 +94,9 @@ def cook_side_by_side(
     total = sum(d["train"]["iterations"] for d in recipes.values())
     bar = tqdm(total=total, desc="training", unit="it", disable=not progress)
     while True:
-        done = sum(_iterations(folders[n]) for n in recipes)
-        bar.n = min(done, total)
-        bar.refresh()
+        done = min(sum(_iterations(folders[n]) for n in recipes), total)
+        if done > bar.n:
+            bar.update(done - bar.n)
         if all(p.poll() is not None for p, _ in procs.values()):
             break
         time.sleep(2)
@@ -149,7 +148,7 @@ def main_job(
     from kitchen.evaluate import EvalConfig, evaluate, judged_scores, win_rate
     from kitchen.models import ModelSpec, load_model
     from kitchen.report import Section, run_sections, write_html
-    from kitchen.train import load_run_policy
+    from kitchen.train import Recipe, held_out_report, load_run_policy
 
     for need in ("policy-tiny", "grm-tiny"):
         if not (paths.DATA / "models" / need / "config.json").exists():
@@ -213,21 +212,33 @@ def main_job(
     )
     results["mapo_vs_grpo_win_rate"] = win_rate(mapo_s, grpo_s, n=cfg.bootstrap, seed=cfg.seed)
 
-    frames = {}
+    # sample efficiency on the held-out curve each run logs every `eval_every` iterations,
+    # starting from the SFT policy (the adapter is zero at iteration 0)
+    sft_held_out = held_out_report(*sft, Recipe.model_validate(recipes["demo-mapo"])).compliance
+    frames, curves = {}, {}
     for name, folder in folders.items():
         m = pl.read_parquet(folder / "metrics.parquet")
         per_it = recipes[name]["train"]["tasks_per_iteration"] * recipes[name]["rollout"]["k"]
         frames[name] = m.with_columns(((pl.col("iteration") + 1) * per_it).alias("episodes"))
-    start = statistics.fmean(
-        [x for f in frames.values() for x in f["judge/compliance"].head(3).to_list()]
-    )
-    best = min(max(_rolling(f["judge/compliance"].to_list())) for f in frames.values())
-    target = start + 0.5 * (best - start)
+        points = frames[name].filter(pl.col("eval/compliance").is_not_null())
+        curves[name] = pl.concat(
+            [
+                pl.DataFrame({"episodes": [0], "eval/compliance": [sft_held_out]}),
+                points.select(pl.col("episodes").cast(pl.Int64), "eval/compliance"),
+            ]
+        )
+    best = min(c["eval/compliance"].max() for c in curves.values())
+    target = sft_held_out + 0.5 * (best - sft_held_out) if best > sft_held_out else None
     results["sample_efficiency"] = {
-        "metric": "judge/compliance on training rollouts (rolling mean of 3 iterations)",
-        "start": start,
+        "metric": "held-out judged compliance (eval/compliance), logged every eval_every iterations",
+        "start": sft_held_out,
         "target": target,
-        "episodes": {n: samples_to_reach(f, target) for n, f in frames.items()},
+        "episodes": {
+            n: samples_to_reach(c, target, "eval/compliance", window=1)
+            if target is not None
+            else None
+            for n, c in curves.items()
+        },
     }
 
     s = Section("Summary: RL policies vs the SFT policy (held-out tasks and diners, rule judge)")
@@ -279,20 +290,9 @@ def main_job(
         ),
         "personalisation",
     )
-    eff = results["sample_efficiency"]
-    s2 = (
-        Section("MAPO vs GRPO: sample efficiency")
-        .text(
-            f"Training episodes until judged compliance (rolling mean) reaches {eff['target']:.3f} "
-            f"(halfway from the start {eff['start']:.3f} to the lower of the two runs' best): "
-            + ", ".join(
-                f"{n}: {v if v is not None else 'not reached'}" for n, v in eff["episodes"].items()
-            )
-        )
-        .chart(
-            charts.compare_runs(frames, "judge/compliance", title="judged compliance (training)")
-        )
-    )
+    s2 = Section("MAPO vs GRPO: sample efficiency").text(efficiency_text(results))
+    s2.chart(charts.compare_runs(curves, "eval/compliance", title="held-out judged compliance"))
+    s2.chart(charts.compare_runs(frames, "judge/compliance", title="judged compliance (training)"))
     s2.chart(charts.compare_runs(frames, "reward/global_mean", title="task success (training)"))
     sections = [s, s2]
     for name, folder in folders.items():
@@ -309,14 +309,28 @@ def main_job(
     return results
 
 
-def _rolling(values: list[float], window: int = 3) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
-
-
 def _jobs(cfg: Any) -> list:
     from kitchen.evaluate import eval_jobs
 
     return eval_jobs(cfg)
+
+
+def efficiency_text(results: dict[str, Any]) -> str:
+    """The sample-efficiency comparison in one sentence."""
+    eff = results["sample_efficiency"]
+    if eff["target"] is None:
+        return (
+            f"sample efficiency: no target — a run never beat the SFT policy's held-out "
+            f"compliance {eff['start']:.3f}"
+        )
+    reached = ", ".join(
+        f"{n} {v if v is not None else 'not reached'}" for n, v in eff["episodes"].items()
+    )
+    return (
+        f"training episodes until held-out judged compliance reaches {eff['target']:.3f} "
+        f"(halfway from the SFT policy's {eff['start']:.3f} to the lower of the two runs' "
+        f"best): {reached}"
+    )
 
 
 def summary(results: dict[str, Any]) -> str:
@@ -337,11 +351,7 @@ def summary(results: dict[str, Any]) -> str:
     )
     w = results["mapo_vs_grpo_win_rate"]
     lines.append(f"mapo vs grpo head to head: {w[0]:.1%} [{w[1]:.1%}, {w[2]:.1%}]")
-    eff = results["sample_efficiency"]
-    lines.append(
-        f"episodes to judged compliance {eff['target']:.3f}: "
-        + ", ".join(f"{n} {v}" for n, v in eff["episodes"].items())
-    )
+    lines.append(efficiency_text(results))
     lines.append(
         f"report: {paths.RUNS / 'demo' / 'report.html'} ({results['seconds'] / 60:.1f} min)"
     )

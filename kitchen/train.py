@@ -705,16 +705,8 @@ class Run:
     # -- evaluation -------------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, Any]:
-        from kitchen.evaluate import eval_jobs
-
-        cfg = self.recipe.eval
-        jobs = eval_jobs(cfg, self.constitution)
-        rcfg = self.recipe.rollout.model_copy(update={"k": cfg.samples})
-        trajs, _ = rollout(
-            self.model, self.tok, jobs, rcfg, seed=cfg.seed, menu=self.menu, group_prefix="eval:"
-        )
-        pcs = [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
-        rep = policy_report(trajs, pcs)
+        """Held-out evaluation of the current policy (rule judge); appends to eval.jsonl."""
+        rep = held_out_report(self.model, self.tok, self.recipe, self.constitution)
         row = {"iteration": self.iteration, **rep.model_dump(mode="json")}
         write_jsonl(self.folder / "eval.jsonl", [row], append=True)
         out = {
@@ -817,6 +809,18 @@ def load_run_policy(folder: str | os.PathLike) -> tuple[Any, Any]:
     set_peft_model_state_dict(model, weights, adapter_name=spec.lora.name)
     model.eval()
     return model, tok
+
+
+def held_out_report(model: Any, tok: Any, recipe: Recipe, constitution: Any = None) -> Any:
+    """`recipe.eval`'s held-out jobs played by `model` (the recipe's rollout settings, k =
+    `eval.samples`), judged by rules: the evaluation `kitchen cook` logs every `eval_every`."""
+    from kitchen.evaluate import eval_jobs
+
+    cfg = recipe.eval
+    jobs = eval_jobs(cfg, constitution)
+    rcfg = recipe.rollout.model_copy(update={"k": cfg.samples})
+    trajs, _ = rollout(model, tok, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
+    return policy_report(trajs, [pc for _, pc, _ in jobs for _ in range(cfg.samples)])
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
