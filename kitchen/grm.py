@@ -10,10 +10,10 @@ The review language (what the GRM is trained to write; `parse_review` reads it):
 
     critique:
     t0 searches thai
-    t1 recommends Tofu Satay, 9 words, diner agrees
+    t1 recommends Tofu Satay (peanut, soy), 9 words, diner agrees
     t1 A1: Tofu Satay contains peanut
     t1 T1: Tofu Satay recommended without an allergen check
-    t2 orders Tofu Satay
+    t2 orders Tofu Satay (peanut, soy)
     t2 A1: Tofu Satay contains peanut
     t2 T1: Tofu Satay recommended without an allergen check
     verdicts:
@@ -61,6 +61,11 @@ Departures from the seeds:
    review and ignored the dialogue (33% accuracy on pass/violate cells after 3,000 examples);
    stating the facts first gives it a scratchpad: each verdict then depends on a few lines the
    GRM itself just wrote.
+4. `menu_facts`: an agent turn that names menu dishes is tagged with what the menu says about
+   them (`t1 agent (9 words; Tofu Satay: peanut, soy): ...`). The rule judge knows the menu; a
+   reviewer that must also memorise 35 dishes' allergens never flagged an unchecked allergen
+   (A1) in held-out calibration (0 of 15 violations). A production GRM would get the same from
+   retrieval over the product's catalogue: give the reviewer the facts, let it judge.
 """
 
 from __future__ import annotations
@@ -147,6 +152,11 @@ class GRMConfig(StrictModel):
         "turns (masked). 640: the longest judge review in the tiny GRM's data is ~640 tokens.",
     )
     batch_size: int = Field(16, ge=1, description="Trajectories generated together.")
+    menu_facts: bool = Field(
+        True,
+        description="Annotate each agent turn that names menu dishes with what the menu says "
+        "about them (allergens, vegetarian), as the word count is annotated (departure 4).",
+    )
     structured: bool = Field(
         True,
         description="Constrain decoding to the review language's line structure: critique "
@@ -218,8 +228,13 @@ def render_turns(
     tool_mode: Literal["full", "names"] = "full",
     clip: int | None = None,
     menu: Menu | None = None,
+    menu_facts: bool = False,
 ) -> str:
-    """The trajectory as numbered lines; turns before `first` become one-line action summaries."""
+    """The trajectory as numbered lines; turns before `first` become one-line action summaries.
+
+    Agent lines are tagged with their word count (messages) and, with `menu_facts`, with what the
+    menu says about the dishes they name: `t3 agent (9 words; Tofu Satay: peanut, soy): ...`.
+    """
     menu = menu or load_menu()
     last = len(traj.turns) - 1 if last is None else last
     lines = [f"request: {sanitize(traj.messages[1]['content'])}"]
@@ -231,9 +246,11 @@ def render_turns(
         if info.turn < first:
             lines.append(f"t{info.turn} agent: {_clip(text, 4)}")
             continue
-        words = word_count(text)
         body = _clip(text, clip) if clip else text
-        tag = f" ({words} words)" if info.action.kind == "say" else ""
+        notes = [f"{word_count(text)} words"] if info.action.kind == "say" else []
+        if menu_facts:
+            notes += [f"{d.name}: {dish_facts(d)}" for d in _named(info, text, menu)[:2]]
+        tag = f" ({'; '.join(notes)})" if notes else ""
         lines.append(f"t{info.turn} agent{tag}: {body}")
         if info.message + 1 < len(traj.messages):
             obs = traj.messages[info.message + 1]
@@ -243,6 +260,25 @@ def render_turns(
                 content = _tool_summary(content, menu)
             lines.append(f"t{info.turn} {who}: {_clip(content, clip) if clip else content}")
     return "\n".join(lines)
+
+
+def dish_facts(dish: Any) -> str:
+    """What the menu says about a dish that a clause can turn on: `peanut, soy`, `no allergens,
+    veg`."""
+    facts = ", ".join(dish.allergens) or "no allergens"
+    return facts + (", veg" if dish.vegetarian else "")
+
+
+def _named(info: Any, text: str, menu: Menu) -> list[Any]:
+    """The menu dishes an agent turn names: its tool call's dish, or those its message names."""
+    if info.action.kind == "say":
+        return menu.mentioned(text)
+    dish = (
+        menu.find(info.action.argument or "")
+        if info.action.tool in ("allergens", "order")
+        else None
+    )
+    return [dish] if dish is not None else []
 
 
 def build_prompt(
@@ -256,9 +292,12 @@ def build_prompt(
     clip: int | None = None,
 ) -> list[dict[str, str]]:
     """Chat messages (system, user) asking for a review of turns `first..last`."""
+    turns = render_turns(
+        traj, first=first, last=last, tool_mode=tool_mode, clip=clip, menu_facts=cfg.menu_facts
+    )
     body = (
         f"{DELIMS[0]}\n{render_constitution(pc, cfg.clause_text)}\n{DELIMS[1]}\n"
-        f"{DELIMS[2]}\n{render_turns(traj, first=first, last=last, tool_mode=tool_mode, clip=clip)}"
+        f"{DELIMS[2]}\n{turns}"
         f"\n{DELIMS[3]}\nreview turns t{first}-t{len(traj.turns) - 1 if last is None else last}"
     )
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": body}]
@@ -316,13 +355,13 @@ def turn_facts(traj: Trajectory, menu: Menu | None = None) -> dict[int, str]:
         elif t.tool in ("allergens", "order"):
             verb = "checks" if t.tool == "allergens" else "orders"
             fact = f"{verb} {t.dish.name}" if t.dish else f"{verb} a dish not on the menu"
-            if t.tool == "allergens" and t.dish:  # what the tool answered
-                fact += f" ({', '.join(t.dish.allergens) or 'no allergens'})"
+            if t.dish:  # what the tool answered, or what the menu says of the ordered dish
+                fact += f" ({dish_facts(t.dish)})"
         else:
             words = word_count(t.text)
             if t.dish is not None:
                 verb = "confirms" if t.dish.name in t.agreed else "recommends"
-                fact = f"{verb} {t.dish.name}"
+                fact = f"{verb} {t.dish.name} ({dish_facts(t.dish)})"
                 fact += "".join(f", also names {d.name}" for d in t.named[1:3])
             elif asks_cuisine(t.text):
                 fact = "asks the cuisine"

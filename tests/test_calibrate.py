@@ -45,8 +45,9 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     assert recipe.sft.max_length <= tiny.max_positions
     sft = recipe.sft_recipe(paths.RUNS / "x")
     assert sft.data.train.endswith("x/data/train.jsonl") and sft.output_dir.endswith("x")
+    assert recipe.install == "data/models/grm-tiny"
     more = load_grm_recipe(paths.RECIPES / "grm_tiny_more.yaml")
-    assert more.install == "data/models/grm-tiny" and more.data.reuse == "runs/grm_tiny"
+    assert more.data.reuse == "runs/grm_tiny" and more.sft.model.base.path == "runs/grm_tiny/final"
     assert more.review == recipe.review  # the second stage reviews as the first was trained
 
 
@@ -143,6 +144,15 @@ def test_grm_train_main_end_to_end(tmp_path, monkeypatch):
     assert tok.chat_template and model.config.max_position_embeddings == 1024
     with pytest.raises(KitchenError, match="already holds a trained GRM"):
         grm_train_main(path)
+    # a second stage: the same review data (data.reuse), training on from the first's weights
+    more = recipe | {"output_dir": str(tmp_path / "more"), "install": None}
+    more["data"] = {"reuse": str(tmp_path / "run")}
+    more["sft"] = recipe["sft"] | {"model": {"base": {"path": str(tmp_path / "run" / "final")}}}
+    more["sft"]["max_steps"] = 2
+    path.write_text(yaml.safe_dump(more))
+    assert grm_train_main(path) == 0
+    again = json.loads((tmp_path / "more" / "summary.json").read_text())
+    assert again["data"] == summary["data"] and (tmp_path / "more" / "final").is_dir()
 
 
 def test_calibrate_with_the_shipped_grm_writes_every_number(tmp_path, capsys):
