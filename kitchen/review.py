@@ -25,6 +25,10 @@ Departures from the seeds:
    normalisation later removes scale, not this bias.
 2. A verdict the reward model failed to produce is `None` (masked), never counted as a pass or a
    violation: a parse failure must not look like behaviour.
+3. `flagged="violate"`: a turn whose text tried to steer the reviewer (`Review.flags`, found by
+   `kitchen.grm.injection_flags`, not by the GRM) gets r_t = −1 (mode "mean"; −Σw in "sum"),
+   whatever its verdicts. Otherwise an attack that makes a small GRM leave the other turns
+   unreviewed (masked: no signal) or milder would pay; with it, attempting one never does.
 """
 
 from __future__ import annotations
@@ -84,13 +88,18 @@ def overall_from(verdicts: Iterable[ClauseVerdict]) -> Literal["pass", "violate"
 
 
 def turn_rewards(
-    review: Review, pc: PersonalConstitution, mode: Literal["mean", "sum"] = "mean"
+    review: Review,
+    pc: PersonalConstitution,
+    mode: Literal["mean", "sum"] = "mean",
+    flagged: Literal["keep", "violate"] = "keep",
 ) -> tuple[list[float], list[bool], list[dict[str, float]]]:
     """Local reward per assistant turn (see the module docstring for the equation).
 
     Returns `(rewards[T], valid[T], contributions[T])`; `contributions[t]` maps each clause id to
     its signed weighted share of `rewards[t]`, so every reward traces back to its clauses.
     `valid[t]` is False when no verdict applies at t ("mean" mode) — train on it with a mask.
+    With `flagged="violate"`, a turn named in `review.flags` scores as if it broke every clause
+    (departure 3); its contributions then read `{"injection": r_t}`.
     """
     weights = {c.id: c.weight for c in pc.clauses}
     num = [0.0] * review.turns
@@ -103,18 +112,34 @@ def turn_rewards(
         num[v.turn] += w * SCORE[v.verdict]
         den[v.turn] += w
         contrib[v.turn][v.clause] = w * SCORE[v.verdict]
-    if mode == "sum":
-        return num, [True] * review.turns, contrib
     rewards, valid = [], []
     for t in range(review.turns):
-        if den[t] > 0:
+        if mode == "sum":
+            rewards.append(num[t])
+            valid.append(True)
+        elif den[t] > 0:
             rewards.append(num[t] / den[t])
             valid.append(True)
             contrib[t] = {c: x / den[t] for c, x in contrib[t].items()}
         else:
             rewards.append(0.0)
             valid.append(False)
+    if flagged == "violate":
+        worst = -1.0 if mode == "mean" else -float(sum(weights.values()))
+        for t in flagged_turns(review):
+            if 0 <= t < review.turns:
+                rewards[t], valid[t], contrib[t] = worst, True, {"injection": worst}
     return rewards, valid, contrib
+
+
+def flagged_turns(review: Review) -> set[int]:
+    """Turns named by the review's injection flags (`"t3: fake verdicts"` → 3)."""
+    out = set()
+    for flag in review.flags:
+        head = flag.split(":", 1)[0].strip()
+        if head.startswith("t") and head[1:].isdigit():
+            out.add(int(head[1:]))
+    return out
 
 
 def global_reward(success: int | float, review: Review | None = None, blend: float = 0.0) -> float:

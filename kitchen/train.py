@@ -97,6 +97,12 @@ class RewardConfig(StrictModel):
         "rule judge (an oracle, for ablations: it measures what a perfect GRM would give).",
     )
     local_mode: Literal["mean", "sum"] = Field("mean", description="See kitchen.review.")
+    flagged: Literal["keep", "violate"] = Field(
+        "violate",
+        description="A turn flagged for trying to steer the reviewer (fake verdicts, "
+        "instructions, delimiters) scores as a violation of every clause ('violate'), or keeps "
+        "the GRM's verdicts ('keep'). See kitchen.review, departure 3.",
+    )
     global_blend: float = Field(
         0.0,
         ge=0,
@@ -250,7 +256,7 @@ def step_rows(
         )
     }
     for i, (t, r, pc) in enumerate(zip(trajs, reviews, pcs, strict=True)):
-        local, valid, _ = turn_rewards(r, pc, reward.local_mode)
+        local, valid, _ = turn_rewards(r, pc, reward.local_mode, reward.flagged)
         g = global_reward(t.outcome.success if t.outcome else 0, r, reward.global_blend)
         n = len(t.turns)
         if n == 0:
@@ -689,7 +695,8 @@ class Run:
         picks = rng.sample(range(len(trajs)), min(self.recipe.samples_per_iteration, len(trajs)))
         rows = []
         for i in picks:
-            local, valid, contrib = turn_rewards(reviews[i], pcs[i], self.recipe.reward.local_mode)
+            rw = self.recipe.reward
+            local, valid, contrib = turn_rewards(reviews[i], pcs[i], rw.local_mode, rw.flagged)
             rows.append(
                 {
                     "iteration": it,

@@ -304,7 +304,7 @@ class GRMReward:
         for t, r, pc in zip(trajectory, reviews, constitution, strict=True):
             success = t.outcome.success if t.outcome else 0
             out.append(global_reward(success, r, self.reward.global_blend))
-            rewards, valid, _ = turn_rewards(r, pc, self.reward.local_mode)
+            rewards, valid, _ = turn_rewards(r, pc, self.reward.local_mode, self.reward.flagged)
             local += [x for x, v in zip(rewards, valid, strict=True) if v]
         if log_metric is not None:
             for clause, rate in clause_pass_rates(reviews).items():

@@ -343,7 +343,7 @@ def review_episode(
     from kitchen.judge import judge
 
     review = judge(traj, pc) if reviewer is None else reviewer.review([traj], [pc])[0]
-    local, valid, _ = turn_rewards(review, pc, reward.local_mode)
+    local, valid, _ = turn_rewards(review, pc, reward.local_mode, reward.flagged)
     r = TurnRewards(
         global_reward(traj.outcome.success if traj.outcome else 0, review, reward.global_blend)
     )
