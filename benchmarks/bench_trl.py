@@ -149,7 +149,7 @@ class KitchenLoop:
         self.ph, self.args = Phases(), args
         train.rollout = self.ph.wrap("rollout", train.rollout, lambda out: out[1].tokens)
         train.judge = self.ph.wrap("review", train.judge)
-        train.advantages = self.ph.wrap("advantage", train.advantages)
+        train.buffered_advantages = self.ph.wrap("advantage", train.buffered_advantages)
         train.Run._update = self.ph.wrap("update+advantage", train.Run._update)
         train.unit_tensors = self.ph.wrap(
             "units", train.unit_tensors, lambda out: int(out[1].sum())
@@ -199,7 +199,7 @@ def run_both(recipe, args, eos_bias):
     ph = Phases()
     ktrl.rollout = ph.wrap("rollout", ktrl.rollout, lambda out: out[1].tokens)
     ktrl.GRMReward.review = ph.wrap("review", ktrl.GRMReward.review)
-    ktrl.advantages = ph.wrap("advantage", ktrl.advantages)
+    ktrl.buffered_advantages = ph.wrap("advantage", ktrl.buffered_advantages)
     flat = [j for jobs in kitchen.jobs for j in jobs]
     model, tok = load_model(recipe.policy.model_copy(update={"lora": None}))
     if eos_bias:

@@ -281,3 +281,26 @@ def test_07_scale_up_values():
     assert set(defs["launch_files"]) == set(launch.files())
     adv = defs["advantage_frame"]
     assert adv.height > 0 and adv["mapo"].abs().sum() > 0
+
+
+def test_side_by_side_benchmark_runs_in_a_tiny_shape():
+    """`benchmarks/bench_trl.py` still runs against the current loop and trainer (it patches
+    their internals to time phases, so a refactor can break it): one update each, tiny work,
+    the table printed with both columns and a ratio."""
+    import subprocess
+    import sys
+
+    args = ["--threads", "1", "--iters", "1", "--warmup", "0", "--tasks", "1", "--k", "2"]
+    args += ["--turns", "2", "--max-new-tokens", "16"]
+    res = subprocess.run(
+        [sys.executable, str(paths.HOME / "benchmarks" / "bench_trl.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (
+        "| wall time (s) |" in res.stdout
+        and "same episodes at the first iteration: yes" in res.stdout
+    )
