@@ -241,6 +241,11 @@ class Answer(BaseModel):
     summary: str
     reasons: list[str] = Field(default_factory=list)
 
+    def markdown(self, number: int) -> str:
+        """`**Question N — question** summary` and the reasons as a bullet list."""
+        head = f"**Question {number} — {self.question}** {self.summary}\n\n"
+        return head + "\n".join(f"- {r}" for r in self.reasons)
+
 
 def answer_sft(
     curve: Plateau,

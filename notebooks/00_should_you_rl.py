@@ -212,10 +212,7 @@ def _(mo):
 @app.cell
 def _(cheaper, curve, decide, mo, share):
     sft_answer = decide.answer_sft(curve, share, cheaper_fixes_help=cheaper.value)
-    mo.md(
-        f"**Question 1 — {sft_answer.question}** {sft_answer.summary}\n\n"
-        + "\n".join(f"- {r}" for r in sft_answer.reasons)
-    )
+    mo.md(sft_answer.markdown(1))
     return (sft_answer,)
 
 
@@ -269,11 +266,7 @@ def _(
     reward_answer = decide.answer_reward(
         verifiable=verifiable.value, constitution_valid=_valid, grm_kappa=kappa
     )
-    mo.md(
-        f"**Question 2 — {reward_answer.question}** {reward_answer.summary}\n\n"
-        + "\n".join(f"- {r}" for r in reward_answer.reasons)
-        + f"\n- calibration: {kappa_source}"
-    )
+    mo.md(reward_answer.markdown(2) + f"\n- calibration: {kappa_source}")
     return kappa, reward_answer
 
 
@@ -515,10 +508,7 @@ def _(charts, cost, cost_inputs, mo, pl):
 @app.cell
 def _(budget, cost, decide, mo):
     cost_answer = decide.answer_cost(cost, float(budget.value) if budget.value else None)
-    mo.md(
-        f"**Question 3 — {cost_answer.question}** {cost_answer.summary}\n\n"
-        + "\n".join(f"- {r}" for r in cost_answer.reasons)
-    )
+    mo.md(cost_answer.markdown(3))
     return (cost_answer,)
 
 

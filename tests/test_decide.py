@@ -385,3 +385,8 @@ def test_00_should_you_rl_values():
     assert cost.generated_tokens > 0 and cost.memory.total_gb > 0
     assert cost.hours is not None or "bench_gpu.py" in cost.missing
     assert defs["recommendation"].verdict == "not yet"
+
+
+def test_answer_markdown_numbers_the_question_and_lists_every_reason():
+    a = decide.Answer(question="Has SFT plateaued?", ok=True, summary="yes", reasons=["flat", "cheap"])
+    assert a.markdown(1) == "**Question 1 — Has SFT plateaued?** yes\n\n- flat\n- cheap"
