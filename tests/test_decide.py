@@ -388,5 +388,7 @@ def test_00_should_you_rl_values():
 
 
 def test_answer_markdown_numbers_the_question_and_lists_every_reason():
-    a = decide.Answer(question="Has SFT plateaued?", ok=True, summary="yes", reasons=["flat", "cheap"])
+    a = decide.Answer(
+        question="Has SFT plateaued?", ok=True, summary="yes", reasons=["flat", "cheap"]
+    )
     assert a.markdown(1) == "**Question 1 — Has SFT plateaued?** yes\n\n- flat\n- cheap"
