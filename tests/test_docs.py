@@ -1,9 +1,11 @@
 """docs/: every metric the loop writes is in the glossary; the troubleshooting guide names real
-metrics and real recipe fields."""
+metrics and real recipe fields; docs/method.md has its stable anchors, every citation of it points
+at one, and no file sends a reader to a document outside the repository."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +125,175 @@ def test_troubleshooting_names_real_metrics_and_knobs():
             assert has(parts), knob
     for field in re.findall(r"constitution field `([a-z_]+)`", text):
         assert field in str(constitution_schema("constitution")), field
+
+
+# --------------------------------------------------------------------------------------------
+# docs/method.md: stable anchors, citations that resolve, no documents outside the repository
+# --------------------------------------------------------------------------------------------
+
+METHOD = DOCS / "method.md"
+ANCHORS = (
+    "should-you-rl",
+    "constitution",
+    "personalisation",
+    "privacy",
+    "cold-start",
+    "grm",
+    "grm-training",
+    "grm-calibration",
+    "reward-hacking",
+    "rewards",
+    "credit-assignment",
+    "mapo",
+    "replay-buffer",
+    "policy-update",
+    "peers",
+    "long-horizon",
+    "validation",
+    "guard",
+    "scaling",
+    "faq",
+)
+ANCHOR = re.compile(r'<a id="([^"]+)"></a>')
+# `docs/method.md#<anchor>` anywhere, `method.md#<anchor>` in docs/, `](#<anchor>)` in method.md
+CITATION = re.compile(r"(?:\bmethod\.md|\]\()#([A-Za-z0-9_-]+)")
+# where citations live: every text file a reader of the repository opens
+CITING = (
+    "kitchen/**/*.py",
+    "docs/**/*.md",
+    "notebooks/**/*.py",
+    "tests/**/*.py",
+    "benchmarks/**/*.py",
+    "recipes/**/*.yaml",
+    "recipes/**/*.sh",
+    "recipes/**/*.md",
+    "README.md",
+    "constitutions/**/*.yaml",
+    "data/**/*.yaml",
+    "data/schema/*.json",
+)
+# references to documents a user of the kit does not have (they lived outside the repository)
+OUTSIDE = re.compile(
+    r"(?i:\bseeds?\s+00[01]\b|\bthe\s+seeds\b|\bseeds'|\bdepartures from the seed\b)"
+    r"|\bDESIGN(?:\.md)?\b|\bSTYLE(?:\.md)?\s*§|\bNOTES\.md\b"
+)
+# the files checked for OUTSIDE so far; the rest of the repository joins once its owners have
+# re-pointed their citations (then this becomes CITING)
+NO_OUTSIDE = (
+    "kitchen/__init__.py",
+    "kitchen/constitution.py",
+    "kitchen/profile.py",
+    "kitchen/config.py",
+    "kitchen/decide.py",
+    "kitchen/files.py",
+    "kitchen/paths.py",
+    "kitchen/sft.py",
+    "kitchen/charts.py",
+    "kitchen/notebook.py",
+    "kitchen/walkthrough.py",
+    "kitchen/guard.py",
+    "kitchen/evaluate.py",
+    "docs/*.md",
+    "notebooks/00_should_you_rl.py",
+    "notebooks/01_constitution.py",
+    "notebooks/06_evaluate.py",
+    "constitutions/*.yaml",
+    "data/profiles/*.yaml",
+    "data/schema/constitution.schema.json",
+    "data/schema/profile.schema.json",
+    "tests/test_constitution.py",
+    "tests/test_profile.py",
+    "tests/test_config.py",
+    "tests/test_decide.py",
+    "tests/test_files.py",
+    "tests/test_evaluate.py",
+    "tests/test_guard.py",
+    "tests/test_cli.py",
+    "tests/test_imports.py",
+    "tests/test_ipynb.py",
+    "tests/test_nb02.py",
+    "tests/test_nb03.py",
+)
+
+
+def files(patterns) -> list:
+    """The repository files matching `patterns` (globs relative to the root), each once."""
+    found = {p for pat in patterns for p in ROOT.glob(pat) if p.is_file()}
+    return sorted(found)
+
+
+def method_anchors() -> list[str]:
+    return ANCHOR.findall(METHOD.read_text())
+
+
+def test_method_has_every_stable_anchor_once_before_a_heading():
+    """docs/method.md defines each listed anchor exactly once, as `<a id>` right before a heading
+    (so rewording a heading never breaks a citation)."""
+    lines = METHOD.read_text().splitlines()
+    found = method_anchors()
+    missing = [a for a in ANCHORS if a not in found]
+    assert not missing, f"docs/method.md lacks anchors {missing}"
+    twice = sorted({a for a in found if found.count(a) > 1})
+    assert not twice, f"anchors defined twice: {twice}"
+    for i, line in enumerate(lines):
+        if ANCHOR.fullmatch(line.strip()):
+            after = lines[i + 1] if i + 1 < len(lines) else ""
+            assert after.startswith("## "), f"docs/method.md:{i + 1}: anchor not before a heading"
+
+
+def test_every_method_citation_points_at_an_anchor():
+    """Every `docs/method.md#<anchor>` (and `method.md#...` in docs/, `(#...)` inside method.md)
+    names an anchor that docs/method.md defines."""
+    anchors = set(method_anchors())
+    scanned = files(CITING)
+    assert METHOD in scanned and (ROOT / "README.md") in scanned
+    bad, cited = [], set()
+    for path in scanned:
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for m in CITATION.finditer(line):
+                if m.group(0).startswith("](") and path != METHOD:
+                    continue  # a same-page link in another document
+                cited.add(m.group(1))
+                if m.group(1) not in anchors:
+                    bad.append(f"{path.relative_to(ROOT)}:{n}: #{m.group(1)}")
+    assert not bad, "citations of unknown anchors:\n" + "\n".join(bad)
+    assert {"constitution", "validation", "mapo"} <= cited  # the scan really found citations
+
+
+def outside_citations(paths_) -> list[str]:
+    """`file:line: text` of every reference to a document outside the repository."""
+    hits = []
+    for path in paths_:
+        if path == Path(__file__).resolve():
+            continue  # this file spells the patterns out
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    return hits
+
+
+def test_the_outside_pattern_catches_each_kind_of_citation():
+    """The pattern is not vacuous: each old citation style matches, ordinary words do not."""
+    for text in (
+        "Seed 000 (step 4) asks",
+        "seed 001 §9.3",
+        "Departures from the seeds:",
+        "the seeds' MAPO",
+        "Departures from the seed, and",
+        "DESIGN §1",
+        "(DESIGN.md §4)",
+        "STYLE §7",
+        "(NOTES.md)",
+    ):
+        assert OUTSIDE.search(text), text
+    for text in ("same task, diner and seed", "seed=0", "the design of the loop", "20 seeds"):
+        assert not OUTSIDE.search(text), text
+
+
+def test_checked_files_cite_no_outside_document():
+    """The files already re-pointed at docs/method.md send no reader to a document outside the
+    repository (the old design notes and source write-ups)."""
+    checked = files(NO_OUTSIDE)
+    assert len(checked) >= len(NO_OUTSIDE)  # every pattern matched at least one file
+    hits = outside_citations(checked)
+    assert not hits, "cite docs/method.md#<anchor> instead:\n" + "\n".join(hits)
