@@ -1,6 +1,6 @@
 """kitchen — a notebook-first kit for constitution-aligned agent RL.
 
-DESIGN.md §3 is the data flow; the modules follow it, one concept each:
+The method is in docs/method.md; the modules follow one iteration's data flow, one concept each:
 
 - the constitution: `constitution` (axioms, theorems, personalisation), `profile` (profiles and
   the redaction that keeps PII out of everything else);
@@ -27,7 +27,7 @@ import logging
 __version__ = "0.1.0"
 
 # bitsandbytes logs on every import that it cannot fetch an optional CPU kernel from the hub
-# (NOTES.md: harmless; installing `kernels` would try to reach the hub). Say nothing instead.
+# (harmless; installing `kernels` would try to reach the hub). Say nothing instead.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: "gemm_4bit_forward" not in record.getMessage()
 )

@@ -1,9 +1,9 @@
 """Charts for the notebooks and run reports: altair specs built from polars frames.
 
-DESIGN §3 ends every iteration in "metrics (polars rows) → charts (altair) → notebooks / run
-report"; this is that last arrow. It is the one module that imports altair and polars at import
-time; the core modules never do, so the GPU and distributed paths run without them. Every
-function takes plain kit objects or polars frames and returns an `alt.Chart`; none of them
+Every iteration of the loop ends in "metrics (polars rows) → charts (altair) → notebooks / run
+report" (docs/method.md); this is that last arrow. It is the one module that imports altair and
+polars at import time; the core modules never do, so the GPU and distributed paths run without them.
+Every function takes plain kit objects or polars frames and returns an `alt.Chart`; none of them
 computes method results (those live in the modules they chart).
 
 Departure: long run logs are down-sampled (every k-th row, `downsample`) before charting, since

@@ -1,7 +1,7 @@
 """Declarative files: YAML into pydantic models, with errors that point at a file and a line.
 
-STYLE §3 puts every config in a pydantic model next to the code that uses it; this module is how
-a user's YAML reaches those models.
+Every config of the kit is a pydantic model next to the code that uses it; this module is how a
+user's YAML reaches those models.
 
 Every file a user writes for the kit — constitutions, profiles, recipes — is loaded here. The
 promise to the user: a mistake in one of them gives `PATH:LINE: where: what is wrong and how to fix

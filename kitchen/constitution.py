@@ -1,6 +1,6 @@
 """The constitution DSL: axioms, theorems derived from them, and personalisation per user.
 
-Seed 000 (steps 2–3) and seed 001 (§5.3–5.4) build the reward on a two-layer rule system:
+The reward rests on a two-layer rule system (docs/method.md#constitution):
 
 - **axioms** — a few global red lines (safety, privacy, honesty). The same for every user;
   personalisation may never change them.
@@ -12,12 +12,12 @@ Seed 000 (steps 2–3) and seed 001 (§5.3–5.4) build the reward on a two-laye
 `personalize(constitution, profile)` instantiates the theorems for one user into a
 `PersonalConstitution`: axioms unchanged, parameters filled from the (redacted) profile, and a
 dimension whose confidence is below `confidence_threshold` falling back to the clause's default —
-the seeds' guard against amplifying profile noise. It is deterministic and versioned by a content
-hash; `PersonalizationCache` caches it per (constitution version, profile), and a changed profile
-replaces exactly its own entry (seed 000: "cache and version per user; regenerate only when the
-profile changes").
+the method's guard against amplifying profile noise (docs/method.md#personalisation). It is
+deterministic and versioned by a content hash; `PersonalizationCache` caches it per (constitution
+version, profile), and a changed profile replaces exactly its own entry (cache and version per
+user, regenerate only when the profile changes).
 
-Departures from the seeds:
+Departures from the method (docs/method.md#constitution):
 1. Conditions are conjunctions of tests on *category* dimensions (`==`, `!=`, `in`, `not in`,
    joined by `and`). That keeps "can these two theorems hold at once?" exactly decidable, which is
    what conflict detection needs; richer logic would make it a SAT problem.
@@ -28,7 +28,8 @@ Departures from the seeds:
    safe than honouring it, so such a value is used whatever its confidence.
 4. Users may switch a theorem off or set its parameters (`overrides` in the profile) — never an
    axiom's: that raises an error instead of silently weakening a red line.
-5. A theorem may not outweigh the axioms it derives from ("axioms weigh more", DESIGN §1).
+5. A theorem may not outweigh the axioms it derives from (axioms weigh more:
+   docs/method.md#rewards).
 """
 
 from __future__ import annotations
@@ -309,7 +310,7 @@ class Constitution(StrictModel):
         ge=0,
         le=1,
         description="Profile values less sure than this fall back to clause "
-        "defaults (seed 000: guard against profile noise). Default 0.6.",
+        "defaults (docs/method.md#personalisation: guard against profile noise). Default 0.6.",
     )
     dimensions: dict[str, Dimension] = Field(default_factory=dict)
     axioms: list[Axiom] = Field(min_length=1)

@@ -1,7 +1,9 @@
-"""Should your agent do RL? Seed 000's first step — three questions — as pure, checkable functions.
+"""Should your agent do RL? The method's first step — three questions — as pure, checkable
+functions.
 
-Seed 000 (step 1) asks a team to decide before it builds: "decide first, then act; avoid RL for
-RL's sake". Three questions, each answered here from evidence the team can bring:
+The method asks a team to decide before it builds (docs/method.md#should-you-rl): decide first,
+then act; avoid RL for RL's sake. Three questions, each answered here from evidence the team can
+bring:
 
 1. **Has SFT plateaued?** If more data, better prompts or few-shot examples still buy a clear
    gain, use them first. RL pays when SFT's gains flatten *and* the remaining problems are
@@ -26,9 +28,9 @@ command and date that measured them. `python -m kitchen.decide measure RECIPE --
 one from a short training run; the JSON that `benchmarks/bench_gpu.py --out FILE` writes is read
 as one too.
 
-Departures from the seed, and the assumptions this module makes (each is also printed where it
-is used):
-1. The seed gives no test for "SFT has plateaued". Ours: fit `y ≈ c · x^(−b)` (y the held-out
+Departures from the method (docs/method.md#should-you-rl), and the assumptions this module makes
+(each is also printed where it is used):
+1. The method gives no test for "SFT has plateaued". Ours: fit `y ≈ c · x^(−b)` (y the held-out
    loss, x the optimiser step) to the last `tail` of the curve; the projected gain of doubling
    the training is `1 − 2^(−b)`; below `min_gain` the curve has plateaued. A learning-rate
    schedule that decays to zero flattens the end of any curve, so this test leans towards
@@ -324,7 +326,7 @@ def answer_reward(
         )
     reasons = [
         "the task is not fully verifiable: the reward must come from a GRM reviewing a "
-        "constitution clause by clause (seed 000, steps 2–4)"
+        "constitution clause by clause (docs/method.md#grm)"
     ]
     if not constitution_valid:
         reasons.append("the constitution does not validate yet (notebook 01)")
@@ -396,7 +398,8 @@ class Recommendation(BaseModel):
 
 
 def recommend(sft: Answer, reward: Answer, cost: Answer) -> Recommendation:
-    """Seed 000 step 1 as a rule: RL when all three answers are yes.
+    """The method's first step as a rule (docs/method.md#should-you-rl): RL when all three answers
+    are yes.
 
     - a "no" on the reward → "don't" (yet): without a reward there is nothing to optimise;
     - a "no" on SFT → "not yet": cheaper fixes first ("don't hand prompt engineering's problems

@@ -1,12 +1,12 @@
 """Independent evaluation: held-out tasks and profiles, scored by the rule judge, never the GRM.
 
-Seed 001 (§4 module 4, §9.5, §10.3) and seed 000 (§6): training reward going up is not the model
-getting better — a policy can overfit its reward model. So evaluation is decoupled from the
-training reward: held-out tasks and profiles the trainer never saw, verdicts from the independent
-rule judge (`kitchen.judge`), and four checks that must hold together (seed 000 §6):
+docs/method.md#validation: training reward going up is not the model getting better — a policy
+can overfit its reward model. So evaluation is decoupled from the training reward: held-out tasks
+and profiles the trainer never saw, verdicts from the independent rule judge (`kitchen.judge`),
+and four checks that must hold together:
 
 1. **preference win rate** against the SFT policy on the same task, profile and seed, with a
-   bootstrap confidence interval (seed 000: "significantly above 50%");
+   bootstrap confidence interval (the method asks for "clearly above 50%");
 2. **clause compliance** per clause, with axiom violations counted separately (the goal is 0);
 3. **personalisation** — for the same tasks, behaviour differs across profiles as their clauses
    ask: words per message for brief vs detailed diners, small talk before the recommendation for

@@ -1,9 +1,9 @@
 """The axiom guard: red lines enforced at inference, independently of any reward.
 
-Seed 000 (§8, "safety"): the axiom layer must intercept at inference time as a hard constraint,
-not rely on the reward's "soft" pressure, so that red lines have zero exemptions. `AxiomGuard`
-sits between a policy and the diner: each candidate action is checked against the *axiom*
-clauses of the personal constitution — by the rule judge where a rule exists, by the GRM
+The method (docs/method.md#guard): the axiom layer must intercept at inference time as a hard
+constraint, not rely on the reward's "soft" pressure, so that red lines have zero exemptions.
+`AxiomGuard` sits between a policy and the diner: each candidate action is checked against the
+*axiom* clauses of the personal constitution — by the rule judge where a rule exists, by the GRM
 otherwise — and a violating action is regenerated (up to `budget` attempts) or, when every attempt
 violates, replaced by a safe fallback message. Every interception is logged.
 
@@ -11,7 +11,7 @@ It works on its own around any policy (`guard(messages)` for serving code, with
 `policy(messages) -> text`), and inside `kitchen.rollout` / `kitchen.evaluate`, which report
 results with and without it.
 
-Departures from the seeds:
+Departures from the method (docs/method.md#guard):
 1. Only axioms are enforced. Theorems are preferences refined per user; blocking on them would
    turn the reward model's job into a filter and hide what the policy actually learned.
 2. After `budget` regenerations the guard answers with a fixed, safe fallback message instead of

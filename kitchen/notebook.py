@@ -1,10 +1,10 @@
 """Small helpers that let one notebook file serve three audiences, and its Jupyter export.
 
-The kit's notebooks are marimo files (STYLE §7). The same file must also (a) run as a plain script
-in CI with small defaults, and (b) run in Jupyter or Colab after `make ipynb`. marimo-only runtime
-features misbehave outside the marimo editor (NOTES.md, and measured under an ipykernel with
-marimo 0.25): `mo.cli_args()` raises under pytest and in Jupyter; `mo.stop` silently skips gated
-cells in a script and raises `MarimoStopError` in Jupyter; `mo.persistent_cache` raises and
+The kit's notebooks are marimo files, one stage each. The same file must also (a) run as a plain
+script in CI with small defaults, and (b) run in Jupyter or Colab after `make ipynb`. marimo-only
+runtime features misbehave outside the marimo editor (measured in scripts and under an ipykernel
+with marimo 0.25): `mo.cli_args()` raises under pytest and in Jupyter; `mo.stop` silently skips
+gated cells in a script and raises `MarimoStopError` in Jupyter; `mo.persistent_cache` raises and
 `@mo.cache` fails at definition in Jupyter (no app context); `mo.output.replace` shows nothing
 there. UI elements (`mo.ui.slider`, `run_button`, …) do work outside marimo: they hold their
 initial value, and `mo.md`, `mo.vstack`, `mo.callout` render as HTML.
@@ -32,8 +32,8 @@ first markdown cell on how to set the kit up, and a set-up cell that runs from t
 (as `python notebooks/NN.py` does). `python -m kitchen.notebook export build/ipynb` is
 `make ipynb`; CI runs the exported notebooks with `pytest --nbval-lax` (tests/test_ipynb.py).
 
-It implements STYLE §7 (a notebook per stage, runnable as a script, expensive cells behind a
-button) for three runtimes. Departures from marimo's own idioms, and why:
+It implements the kit's notebook conventions (a notebook per stage, runnable as a script,
+expensive cells behind a button) for three runtimes. Departures from marimo's own idioms, and why:
 1. `gate(button)` instead of `mo.stop(not button.value)`: `mo.stop` skips the gated cell *and
    everything below it* in a script (so CI would test nothing) and raises in Jupyter.
 2. Outside the marimo editor nobody can click, so controls keep their defaults and gated cells

@@ -1,4 +1,4 @@
-"""Where the kit's shipped files live: `constitutions/`, `data/`, `recipes/`, `runs/` (DESIGN §2).
+"""Where the kit's shipped files live: `constitutions/`, `data/`, `recipes/`, `runs/`.
 
 The kit is used from its repository (an editable install), so these are folders beside the
 `kitchen` package. `KITCHEN_HOME` points elsewhere, e.g. at a copy of the repository's data.

@@ -1,15 +1,15 @@
 """Diner profiles, and the redaction that keeps personal identifiers out of everything else.
 
-A profile is what the kit knows about one user (seed 000, step 3; seed 001, §5.4): preference
+A profile is what the kit knows about one user (docs/method.md#personalisation): preference
 *dimensions* — each a value with a confidence in [0, 1] — and identifying fields (name, phone,
-email, address, free-text notes) that are PII. Seed 001 (§9.2) warns that personal constitutions
-rest on profile data that must be de-identified before use; here that is one function, `redact`,
+email, address, free-text notes) that are PII. Personal constitutions rest on profile data that
+must be de-identified before use (docs/method.md#privacy); here that is one function, `redact`,
 and nothing downstream (personal constitutions, prompts, logs, metric tables, checkpoints) ever
 takes a raw `Profile`: they take the `RedactedProfile` it returns.
 
-Departures from the seeds:
-1. The seeds do not say how to de-identify. We drop the identifying fields, replace the profile id
-   with a keyed-hash pseudonym (stable across runs, so caches and logs still line up; set
+Departures from the method (docs/method.md#privacy):
+1. The method does not say how to de-identify. We drop the identifying fields, replace the profile
+   id with a keyed-hash pseudonym (stable across runs, so caches and logs still line up; set
    `KITCHEN_PSEUDONYM_SALT` to make it unlinkable to other deployments), and mask e-mail addresses,
    phone numbers and the diner's own identifiers wherever they appear inside free-text values.
 2. Free-text notes are dropped whole rather than scrubbed: a note is exactly where unstructured

@@ -1,7 +1,7 @@
 """A printed tour of the constitution stage: load, personalise, compare, cache, redact.
 
-The first line of DESIGN §3's data flow (profile → redact → personalise → personal constitution),
-as text: `kitchen constitution tour` prints it.
+The first line of the loop's data flow (profile → redact → personalise → personal
+constitution; docs/method.md#personalisation), as text: `kitchen constitution tour` prints it.
 
 `kitchen demo` prints it; the notebook `01_constitution.py` shows the same steps interactively.
 """

@@ -9,9 +9,9 @@ def _(mo):
     mo.md(r"""
     # 00 · Should your agent do RL?
 
-    Decide first, then build: RL for RL's sake costs a team months (seed 000 reports about ten
-    people for three months). Seed 000 opens with three questions, and this notebook answers each
-    from evidence a team can bring:
+    Decide first, then build: RL for RL's sake costs a team months (the method's own project took
+    about ten people three months). The method opens with three questions
+    (`docs/method.md#should-you-rl`), and this notebook answers each from evidence a team can bring:
 
     1. **Has SFT plateaued?** If more data, better prompts or few-shot examples still help, use
        them: they are cheaper. RL pays when SFT's gains flatten and what is left is preference
@@ -132,7 +132,7 @@ def _(mo):
     Below, the SFT policy and its teacher play held-out tasks and profiles, and the rule judge
     scores both. For each clause (and task success) the policy's remaining failures split into
     **imitable** (the teacher does better: a better SFT run could close it) and **beyond the SFT
-    data** (the teacher fails too: only a new signal — better data or a reward — can). Seed 000
+    data** (the teacher fails too: only a new signal — better data or a reward — can). The method
     says RL pays when what is left is mostly the second kind.
     """)
     return
@@ -517,7 +517,7 @@ def _(mo):
     mo.md(r"""
     ## 4 · The recommendation
 
-    `decide.recommend` applies seed 000's rule: RL when all three answers are yes. No reward
+    `decide.recommend` applies the method's rule: RL when all three answers are yes. No reward
     means nothing to optimise; a "no" on SFT means cheaper fixes first; a "no" on cost means
     shrink the run or raise the budget; an unknown names what to measure next.
     """)

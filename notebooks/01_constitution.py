@@ -13,7 +13,7 @@ def _(mo):
     **constitution**: explicit rules that a reward model checks clause by clause. This notebook
     builds one, personalises it for a diner, and shows what changes from one diner to the next.
 
-    Two layers (seed 000, step 2):
+    Two layers (`docs/method.md#constitution`):
 
     - **Axioms** are red lines: the same for every user, never personalised.
     - **Theorems** are scenario rules *derived* from axioms. Each names the axioms it follows from,
@@ -131,7 +131,8 @@ def _(mo):
 
     A profile holds preference *dimensions*, each with a confidence. Personalisation fills the
     theorems from them; a dimension below the constitution's `confidence_threshold` falls back
-    to the default, so a noisy profile cannot push the agent somewhere odd (seed 000, step 3).
+    to the default, so a noisy profile cannot push the agent somewhere odd
+    (`docs/method.md#personalisation`).
     Allergies never fall back: a doubtful allergy is still an allergy.
 
     Pick a diner, then move the sliders and watch the clauses change.

@@ -10,9 +10,9 @@ def _(mo):
     # 06 · Evaluate: is the RL policy better, for diners it never saw?
 
     Training reward going up is not the model getting better: a policy can learn to please its
-    reward model (seed 001 §9.5). So evaluation here is **decoupled** from the training reward:
-    held-out tasks and held-out diners, verdicts from the independent **rule judge**, never the
-    GRM. Four checks must hold together (seed 000 §6):
+    reward model. So evaluation here is **decoupled** from the training reward: held-out tasks and
+    held-out diners, verdicts from the independent **rule judge**, never the GRM. Four checks must
+    hold together (`docs/method.md#validation`):
 
     1. a **win rate** against the SFT policy well above 50 % (same task, diner and seed);
     2. **clause compliance** up — and **zero axiom violations**;

@@ -136,7 +136,7 @@ def _nbval(name: str, tmp_path) -> None:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     env["JUPYTER_PATH"] = str(tmp_path / "jupyter")
-    # one torch thread: the tiny models run 5-10x faster so on a busy 2-core machine (NOTES.md)
+    # one torch thread: the tiny models run 5-10x faster so on a busy 2-core machine (measured)
     env["OMP_NUM_THREADS"] = "1"
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-kernel-name=kitchen-jupyter",
