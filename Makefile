@@ -31,19 +31,28 @@ install: $(STAMP) ## create .venv and install the kit with its dev and qlora ext
 demo: $(STAMP) ## set up, then run the main job end to end
 	$(VENV)/bin/kitchen demo
 
-test: $(STAMP) lint check-notebooks ## set up, then lint, check notebooks and run the whole test suite
+test: $(STAMP) lint check-notebooks ## set up, then lint, check notebooks, run the whole test suite, then the verl tests
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-verl
 
 test-slow: $(STAMP) ## run the slow tests too (long training; not in CI)
 	$(PY) -m pytest -m 'slow or not slow' $(PYTEST_ARGS)
 
-VERL_VENV ?= .venv-verl
-test-verl: ## verl integration tests in their own venv (verl 0.9 needs transformers<5.11; ~2 min, 2.4 GB)
+# The verl tests run in their own environment (verl 0.9 needs transformers<5.11), built once and
+# reused until the package list or pyproject.toml changes (a stamp file, like the main venv's).
+VERL_VENV ?= build/venv-verl
+VERL_PKGS := verl==0.9.1 cachetools TransferQueue>=0.1.10 pyzmq msgspec fastapi uvicorn trl==1.16.0 polars==2.1.0 altair==6.3.0 marimo==0.25.2 vl-convert-python==1.9.0.post1 pytest==9.2.0 hypothesis
+VERL_STAMP := $(VERL_VENV)/.installed-$(shell echo '$(TORCH_CPU) $(VERL_PKGS)' | cat - pyproject.toml | cksum | cut -d' ' -f1)
+
+$(VERL_STAMP):
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/pip install -q $(TORCH_CPU) 2>&1 | { grep -v '^WARNING: Location' || true; }
-	$(VERL_VENV)/bin/pip install -q 'verl==0.9.1' cachetools 'TransferQueue>=0.1.10' pyzmq msgspec fastapi uvicorn 'trl==1.16.0' 'polars==2.1.0' 'altair==6.3.0' 'marimo==0.25.2' 'vl-convert-python==1.9.0.post1' 'pytest==9.2.0' hypothesis 2>&1 | { grep -v '^WARNING: Location' || true; }
+	$(VERL_VENV)/bin/pip install -q $(foreach p,$(VERL_PKGS),'$(p)') 2>&1 | { grep -v '^WARNING: Location' || true; }
 	$(VERL_VENV)/bin/pip install -q --no-deps -e .
-	$(VERL_VENV)/bin/python -m pytest tests/test_integrations_verl.py
+	@rm -f $(VERL_VENV)/.installed-*; touch $@
+
+test-verl: $(VERL_STAMP) ## verl integration tests in their own venv (built once: ~2 min, 2.4 GB; part of make test)
+	$(VERL_VENV)/bin/python -m pytest tests/test_integrations_verl.py $(PYTEST_ARGS)
 
 bench: $(STAMP) ## run the speed and memory benchmarks that need no GPU (prints ratios)
 	$(PY) benchmarks/bench_buffer.py

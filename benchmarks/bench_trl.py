@@ -149,8 +149,8 @@ class KitchenLoop:
         self.ph, self.args = Phases(), args
         train.rollout = self.ph.wrap("rollout", train.rollout, lambda out: out[1].tokens)
         train.judge = self.ph.wrap("review", train.judge)
-        train.buffered_advantages = self.ph.wrap("advantage", train.buffered_advantages)
-        train.Run._update = self.ph.wrap("update+advantage", train.Run._update)
+        train.advantages_for = self.ph.wrap("advantage", train.advantages_for)
+        train.Run._update = self.ph.wrap("update", train.Run._update)
         train.unit_tensors = self.ph.wrap(
             "units", train.unit_tensors, lambda out: int(out[1].sum())
         )
@@ -171,15 +171,15 @@ class KitchenLoop:
         wall = time.perf_counter() - t0
         if it == 0:
             self.first = [ti.tokens for t in self.run.last["trajectories"] for ti in t.turns]
-        update = ph.t["update+advantage"] - ph.t["advantage"]
+        phases = ph.t["rollout"] + ph.t["review"] + ph.t["advantage"] + ph.t["update"]
         self.rows.append(
             {
                 "wall": wall,
                 "rollout": ph.t["rollout"],
                 "review": ph.t["review"],
                 "advantage": ph.t["advantage"],
-                "update": update,
-                "other": wall - ph.t["rollout"] - ph.t["review"] - ph.t["update+advantage"],
+                "update": ph.t["update"],
+                "other": wall - phases,
                 "generated": ph.n["rollout"],
                 "update_tokens": ph.n["units"],
                 "samples": m.get("train/step_samples", 0),
@@ -199,7 +199,7 @@ def run_both(recipe, args, eos_bias):
     ph = Phases()
     ktrl.rollout = ph.wrap("rollout", ktrl.rollout, lambda out: out[1].tokens)
     ktrl.GRMReward.review = ph.wrap("review", ktrl.GRMReward.review)
-    ktrl.buffered_advantages = ph.wrap("advantage", ktrl.buffered_advantages)
+    ktrl.advantages_for = ph.wrap("advantage", ktrl.advantages_for)
     flat = [j for jobs in kitchen.jobs for j in jobs]
     model, tok = load_model(recipe.policy.model_copy(update={"lora": None}))
     if eos_bias:
@@ -370,7 +370,7 @@ def main() -> None:
         ("review", "  review (s)"),
         ("advantage", "  advantage + buffer (s)"),
         ("update", "  update: policy + reference forward, backward, step (s)"),
-        ("other", "  other: rows, metrics, bookkeeping (s)"),
+        ("other", "  other: step samples, metrics, bookkeeping (s)"),
     ):
         print(f"| {name} | {k[key]:.2f} | {t[key]:.2f} | {k[key] / max(t[key], 1e-9):.2f} |")
     print(

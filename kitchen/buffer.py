@@ -1,15 +1,17 @@
 """The replay buffer: step samples kept across policy updates, so state groups have members.
 
-Seed 001 §7.1: the carrier of step-level samples is an experience-replay pool. A multi-turn
-trajectory is split into one record per agent turn; for a state the agent is in now, the pool
-holds earlier actions taken in the same (or a similar) state, and that comparison set is what
-MAPO's local advantage normalises against — the statistic a critic would otherwise estimate.
-Seed 000 §7.3 adds priority sampling and de-duplication against "samples consumed too fast";
-seed 001 §9.3 warns that old samples go stale as the policy moves, hence `max_age`.
+docs/method.md#replay-buffer: the carrier of step-level samples is an experience-replay pool. A
+multi-turn trajectory is split into one record per agent turn (`kitchen.steps.StepSamples`); for
+a state the agent is in now, the pool holds earlier actions taken in the same (or a similar)
+state, and that comparison set is what MAPO's local advantage normalises against — the statistic
+a critic would otherwise estimate. Against "samples consumed too fast" the method asks for
+de-duplication (and priority sampling, departure 4); old samples go stale as the policy moves,
+hence `max_age`.
 
-A record holds: state key (exact, and an optional coarser abstract key), task-group id,
-trajectory id, turn index, action token ids and their log-probs at collection, local reward,
-step return, global reward, policy version, insertion order and a sampling priority.
+A record holds the columns of `StepSamples`: state key (exact, and an optional coarser abstract
+key), task-group id, trajectory id, turn index, action token ids and their log-probs at
+collection, local reward, step return, global reward, validity and policy version; plus its
+insertion order. `kitchen.steps.advantages_for` is the one place step samples enter a buffer.
 
 How it stays fast at 10^6 records (benchmarks/bench_buffer.py measures it):
 - Columns are preallocated torch tensors in CPU memory; action tokens and log-probs are stored
@@ -19,8 +21,7 @@ How it stays fast at 10^6 records (benchmarks/bench_buffer.py measures it):
 - Keys (strings from the world, ints from the lab) become dense int64 codes through a dict, once
   per inserted sample (O(batch) Python); every later operation is on the codes.
 - History lookup for state groups is one boolean-table gather over the stored codes
-  (O(records), vectorised: about 3 ms at 10^6). Uniform sampling draws positions and rejects
-  dead ones (O(batch)); priority sampling is one `multinomial` over the live rows (O(records)).
+  (O(records), vectorised: about 3 ms at 10^6).
 No operation loops in Python over the stored records; keys of evicted records are forgotten in
 one pass over the key dict once they outnumber live records two to one (amortised).
 
@@ -32,22 +33,28 @@ Departures from the seeds:
 2. Row indices returned by `add` stay valid until the next `add` (compaction renumbers rows).
 3. Rewards that are NaN or infinite are rejected at insertion with a `KitchenError` naming the
    trajectory and turn, so one bad verdict cannot silently poison every group it joins.
+4. No sampling, and so no priority sampling. The loop never draws from the buffer: the history
+   of a state group is *every* live record with that state key, so there is no draw whose
+   priority could matter. Against samples consumed too fast, the buffer offers what acts on
+   that lookup: de-duplication, `max_age` and capacity; and the advantage can replay history
+   into the gradient with truncated importance weights (`replay_in_gradient`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Literal
 
 import torch
 from pydantic import Field
 
 from kitchen.config import KitchenError, Problem, StrictModel
-from kitchen.mapo import StepBatch, dense
+from kitchen.mapo import StepBatch
+from kitchen.steps import StepSamples
 
 Tensor = torch.Tensor
-KeyFn = Callable[[dict[str, Tensor]], Tensor]
+StateKey = Literal["exact", "abstract"]
 
 _P1, _P2 = 2_147_483_647, 2_147_483_629  # two primes below 2^31 for the token hash
 _GEN = torch.Generator().manual_seed(20261104)
@@ -69,7 +76,6 @@ _COLUMNS: dict[str, torch.dtype] = {
     "tok_start": torch.long,
     "tok_len": torch.int32,
     "tok_hash": torch.long,
-    "priority": torch.float32,
     "valid": torch.bool,  # the sample carries a local signal (see mapo.StepBatch.valid)
     "alive": torch.bool,
 }
@@ -87,15 +93,16 @@ class BufferConfig(StrictModel):
     max_age: int | None = Field(
         None,
         ge=0,
-        description="Evict samples more than this many policy versions old (seed 001 §9.3: old "
-        "samples go stale). None keeps them until capacity evicts them. In notebook 04 a few "
-        "versions work best.",
+        description="Evict samples more than this many policy versions old (old samples go "
+        "stale: docs/method.md#replay-buffer). None keeps them until capacity evicts them. In "
+        "notebook 04 a few versions work best.",
     )
     dedup: bool = Field(
         False,
-        description="Keep only the newest of identical (exact state key, action tokens) samples. "
-        "Off by default: in small tabular worlds identical actions are the rule, and dropping "
-        "them would bias the group statistics; turn it on for text, where a repeat is a re-insert.",
+        description="Keep only the newest of identical (exact state key, action tokens) samples "
+        "as history (fresh samples always train: kitchen.steps, departure 1). Off by default: in "
+        "small tabular worlds identical actions are the rule, and dropping them would bias the "
+        "group statistics; turn it on for text, where a repeat is a re-insert.",
     )
 
 
@@ -117,6 +124,11 @@ class _Codes:
             out.append(c)
         return torch.tensor(out, dtype=torch.long)
 
+    def lookup(self, keys: Sequence[Hashable]) -> Tensor:
+        """Codes of known keys, −1 for keys never seen (or forgotten); adds nothing."""
+        index = self.index
+        return torch.tensor([index.get(k, -1) for k in keys], dtype=torch.long)
+
     def __len__(self) -> int:
         return len(self.keys)
 
@@ -132,25 +144,6 @@ class _Codes:
 
 def _as_keys(x: Sequence[Hashable] | Tensor) -> list:
     return x.tolist() if isinstance(x, Tensor) else list(x)
-
-
-def _flatten(
-    values: Sequence[Sequence[float]] | Tensor | tuple[Tensor, Tensor], dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """Ragged per-sample sequences → (flat [M], lengths [n]).
-
-    Accepts a list of lists, a 1-D tensor (one element per sample), or (flat, lengths).
-    """
-    if isinstance(values, tuple):
-        flat, lengths = values
-        return flat.to(dtype).reshape(-1), lengths.long().reshape(-1)
-    if isinstance(values, Tensor):
-        if values.dim() != 1:
-            raise ValueError("give tokens as a list of lists, a 1-D tensor, or (flat, lengths)")
-        return values.to(dtype), torch.ones(values.shape[0], dtype=torch.long)
-    lengths = torch.tensor([len(v) for v in values], dtype=torch.long)
-    flat = [x for v in values for x in v]
-    return torch.tensor(flat, dtype=dtype), lengths
 
 
 def _token_hash(flat: Tensor, lengths: Tensor) -> Tensor:
@@ -181,83 +174,50 @@ class ReplayBuffer:
         self._order = 0
         self.version = 0
         self._cutoff = None  # version below which samples were last evicted
-        self.last_kept = torch.zeros(0, dtype=torch.bool)  # [N] of the last `add`: kept or not
         self._col: dict[str, Tensor] = {k: torch.empty(0, dtype=d) for k, d in _COLUMNS.items()}
         self._tokens = torch.empty(0, dtype=torch.int32)
         self._logp = torch.empty(0, dtype=torch.float32)
         self._tok_n = 0
-        self._max_priority = 1.0
         self._codes = {k: _Codes() for k in ("state", "abstract", "task_group", "traj")}
         self._dedup: dict[tuple, int] = {}
         self.evicted = {"capacity": 0, "max_age": 0, "dedup": 0}
 
     # ----------------------------------------------------------------------------- insertion
 
-    def add(
-        self,
-        *,
-        state: Sequence[Hashable] | Tensor,
-        tokens: Sequence[Sequence[int]] | Tensor | tuple[Tensor, Tensor],
-        logp: Sequence[Sequence[float]] | Tensor | tuple[Tensor, Tensor],
-        local_reward: Sequence[float] | Tensor,
-        ret: Sequence[float] | Tensor,
-        global_reward: Sequence[float] | Tensor,
-        task_group: Sequence[Hashable] | Tensor,
-        traj: Sequence[Hashable] | Tensor,
-        turn: Sequence[int] | Tensor,
-        version: int | Tensor,
-        abstract: Sequence[Hashable] | Tensor | None = None,
-        run: int | Tensor = 0,
-        valid: Sequence[bool] | Tensor | None = None,
-    ) -> Tensor:
-        """Insert N step samples; return the row index of each one kept ([≤ N], valid until the
-        next `add`).
+    def add(self, samples: StepSamples) -> Tensor:
+        """Store step samples; return the row index of each one kept ([≤ N], valid until the
+        next `add`), in order.
 
-        `state`, `abstract`, `task_group` and `traj` are any hashable keys (strings, ints, or an
-        int64 tensor). `tokens` and `logp` are per-sample sequences: lists of lists, a 1-D tensor
-        (one token per sample) or (flat [M], lengths [N]). `valid` marks samples that carry a
-        local signal (default all; see `mapo.StepBatch.valid`). `run` labels independent runs kept in
-        one buffer (the lab's seeds). Afterwards `last_kept` ([N] bool) says which of the N
-        samples were kept (not too old, not a duplicate): the returned rows are theirs, in order.
-        Raises `KitchenError` for non-finite rewards or log-probs, naming the trajectory and turn.
+        A sample is not kept when it is already more than `max_age` versions old, or (with
+        `dedup`) when a later sample of the same call is identical to it; a stored identical
+        record is evicted in favour of the new one. Raises `KitchenError` for non-finite rewards
+        or log-probs, naming the trajectory and turn. `samples.run` labels independent runs kept
+        in one buffer (the lab's seeds; default 0).
         """
-        state_keys = _as_keys(state)
-        n = len(state_keys)
-        traj_keys = _as_keys(traj)
-        turns = torch.as_tensor(turn, dtype=torch.long).reshape(-1)
+        n = len(samples)
+        state_keys = _as_keys(samples.state)
+        traj_keys = _as_keys(samples.traj)
         floats = {
-            "local_reward": torch.as_tensor(local_reward, dtype=torch.float32).reshape(-1),
-            "ret": torch.as_tensor(ret, dtype=torch.float32).reshape(-1),
-            "global_reward": torch.as_tensor(global_reward, dtype=torch.float32).reshape(-1),
+            "local_reward": samples.local_reward,
+            "ret": samples.ret,
+            "global_reward": samples.global_reward,
         }
-        flat_tok, tok_len = _flatten(tokens, torch.int32)
-        flat_lp, lp_len = _flatten(logp, torch.float32)
-        for name, v in [("traj", traj_keys), ("turn", turns), *floats.items()]:
-            if len(v) != n:
-                raise ValueError(f"{name} has {len(v)} entries for {n} samples")
-        if tok_len.shape[0] != n or not torch.equal(tok_len, lp_len):
-            raise ValueError("tokens and logp must have one sequence per sample, of equal lengths")
-        self._check_finite(floats, flat_lp, lp_len, traj_keys, turns)
-        versions = torch.as_tensor(version, dtype=torch.long).expand(n).clone()
-
+        flat_tok, tok_len, flat_lp = samples.tokens, samples.tok_len, samples.logp
+        self._check_finite(floats, flat_lp, tok_len, traj_keys, samples.turn)
+        versions = samples.version
         cols = {
             "state": self._codes["state"].encode(state_keys),
-            "abstract": self._codes["abstract"].encode(
-                state_keys if abstract is None else _as_keys(abstract)
-            ),
-            "task_group": self._codes["task_group"].encode(_as_keys(task_group)),
+            "abstract": self._codes["abstract"].encode(_as_keys(samples.abstract)),
+            "task_group": self._codes["task_group"].encode(_as_keys(samples.task_group)),
             "traj": self._codes["traj"].encode(traj_keys),
-            "run": torch.as_tensor(run, dtype=torch.long).expand(n).clone(),
-            "turn": turns.to(torch.int32),
+            "run": torch.zeros(n, dtype=torch.long) if samples.run is None else samples.run,
+            "turn": samples.turn.to(torch.int32),
             **floats,
             "version": versions,
             "order": torch.arange(self._order, self._order + n),
             "tok_len": tok_len.to(torch.int32),
             "tok_hash": _token_hash(flat_tok, tok_len),
-            "priority": torch.full((n,), self._max_priority),
-            "valid": torch.ones(n, dtype=torch.bool)
-            if valid is None
-            else torch.as_tensor(valid, dtype=torch.bool).reshape(-1),
+            "valid": samples.valid,
             "alive": torch.ones(n, dtype=torch.bool),
         }
         self._order += n
@@ -268,14 +228,13 @@ class ReplayBuffer:
             self.evicted["max_age"] += int((~keep).sum())
         if self.config.dedup:
             keep = self._dedup_batch(state_keys, cols, keep)
-        rows = self._append(cols, flat_tok, flat_lp, tok_len, None if keep.all() else keep)
+        rows = self._append(
+            cols, flat_tok.to(torch.int32), flat_lp, tok_len, None if keep.all() else keep
+        )
         self.advance(newest)
         self._evict_capacity()
         self._prune_keys()
-        alive = self._col["alive"][rows]
-        self.last_kept = keep.clone()
-        self.last_kept[keep.nonzero().squeeze(1)[~alive]] = False
-        return rows[alive]
+        return rows[self._col["alive"][rows]]
 
     def _check_finite(self, floats, flat_lp, lp_len, traj_keys, turns) -> None:
         for name, v in floats.items():
@@ -477,155 +436,94 @@ class ReplayBuffer:
         """Row indices of every live record, oldest first."""
         return self._col["alive"][: self._n].nonzero().squeeze(1)
 
-    def column(self, name: str, rows: Tensor | None = None) -> Tensor:
-        """One stored column (see `_COLUMNS`) at `rows` (default: every live record)."""
-        v = self._col[name][: self._n]
-        return v[self.rows() if rows is None else rows]
-
-    def columns(self) -> dict[str, Tensor]:
-        """Views of the key columns over all used rows [0, n), live or dead (for key functions)."""
-        names = ("state", "abstract", "task_group", "traj", "run", "turn", "version")
-        return {k: self._col[k][: self._n] for k in names}
-
-    def group_keys(self, by: Literal["exact", "abstract"] | KeyFn = "exact") -> Tensor:
-        """Group key of every used row [n] under `by`: exact or abstract state codes, or
-        `by(columns)` → int64 [n] for a custom grouping (e.g. lambda c: c['turn'])."""
-        if by == "exact":
-            return self._col["state"][: self._n]
-        if by == "abstract":
-            return self._col["abstract"][: self._n]
-        keys = by(self.columns())
-        if keys.shape != (self._n,):
-            raise ValueError(f"key function returned shape {tuple(keys.shape)}, want ({self._n},)")
-        return keys.long()
-
-    def groups(self, rows: Tensor, by: Literal["exact", "abstract"] | KeyFn = "exact") -> Tensor:
-        """Dense group codes of `rows` under `by`."""
-        return dense(self.group_keys(by)[rows])[0]
-
-    def with_history(
-        self,
-        rows: Tensor,
-        by: Literal["exact", "abstract"] | KeyFn = "exact",
-        whole_task_groups: bool = False,
-    ) -> tuple[Tensor, Tensor]:
-        """`rows` plus every other live record that shares a group key with one of them.
-
-        This is the seeds' "fetch_by_state": the history that joins each fresh sample's state
-        group. With `whole_task_groups`, the full task groups of those history records come too
-        (so their global advantages can be recomputed when they are replayed into the gradient).
-        Returns (rows [R] with `rows` first, fresh [R] bool). O(records), vectorised.
-        """
-        keys = self.group_keys(by)
-        alive = self._col["alive"][: self._n]
-        if by in ("exact", "abstract"):  # dense codes: a boolean table lookup
-            wanted = torch.zeros(
-                len(self._codes["state" if by == "exact" else "abstract"]), dtype=torch.bool
-            )
-            wanted[keys[rows]] = True
-            hit = wanted[keys]
-        else:
-            hit = torch.isin(keys, keys[rows])
-        hit &= alive
-        if whole_task_groups and hit.any():
-            tasks = torch.zeros(len(self._codes["task_group"]), dtype=torch.bool)
-            tasks[self._col["task_group"][: self._n][hit]] = True
-            hit |= tasks[self._col["task_group"][: self._n]] & alive
-        hit[rows] = False
-        history = hit.nonzero().squeeze(1)
-        fresh = torch.zeros(rows.numel() + history.numel(), dtype=torch.bool)
-        fresh[: rows.numel()] = True
-        return torch.cat([rows, history]), fresh
-
-    def batch(
-        self,
-        rows: Tensor,
-        by: Literal["exact", "abstract"] | KeyFn = "exact",
-        fresh: Tensor | None = None,
-    ) -> StepBatch:
-        """The `mapo.StepBatch` of `rows`, with `state` = their group codes under `by`."""
-        c = self._col
-        return StepBatch(
-            local_reward=c["local_reward"][rows],
-            global_reward=c["global_reward"][rows],
-            ret=c["ret"][rows],
-            state=self.groups(rows, by),
-            task_group=c["task_group"][rows],
-            traj=c["traj"][rows],
-            turn=c["turn"][rows].long(),
-            fresh=fresh,
-            run=c["run"][rows],
-            valid=c["valid"][rows],
-        )
-
-    def padded(
-        self, rows: Tensor, what: Literal["tokens", "logp"] = "tokens"
-    ) -> tuple[Tensor, Tensor]:
-        """Action tokens (or their log-probs at collection) of `rows`, right-padded: ([B, T], mask)."""
-        start = self._col["tok_start"][rows]
-        length = self._col["tok_len"][rows].long()
-        width = int(length.max()) if rows.numel() else 0
-        col = torch.arange(width)
-        mask = col[None, :] < length[:, None]
-        idx = (start[:, None] + col[None, :]).clamp(max=max(self._tok_n - 1, 0))
-        flat = self._tokens if what == "tokens" else self._logp
-        return torch.where(mask, flat[idx], torch.zeros((), dtype=flat.dtype)), mask
-
     def keys_of(self, rows: Tensor, which: str = "state") -> list:
         """The original keys (strings, ints) of `rows` for one key column. O(rows) Python."""
         known = self._codes[which].keys
         return [known[c] for c in self._col[which][rows].tolist()]
 
-    # ------------------------------------------------------------------------------ sampling
-
-    def sample(
+    def history(
         self,
-        n: int,
-        *,
-        priority: Literal["abs_adv"] | None = None,
-        power: float = 1.0,
-        generator: torch.Generator | None = None,
+        samples: StepSamples,
+        by: StateKey = "exact",
+        exclude: Tensor | None = None,
+        whole_task_groups: bool = False,
     ) -> Tensor:
-        """Row indices of `n` live records, without replacement (fewer if fewer are stored).
+        """Rows of every live record (but `exclude`) sharing a state key with one of `samples`.
 
-        Uniform by default (O(n), by rejection). `priority='abs_adv'` draws with probability
-        ∝ p^power (O(records)), where p is the record's |advantage| set by `set_priority`; new
-        records get the largest p seen, so they are drawn soon (prioritised replay, Schaul et
-        al. 2016).
+        This is the method's "fetch by state" (docs/method.md#replay-buffer): the history that
+        joins each fresh sample's state group, keyed by the exact or the abstract state. With
+        `whole_task_groups`, the full task groups of those records come too (so their global
+        advantages can be recomputed when they are replayed into the gradient). Returns rows
+        [R], oldest first. O(records), vectorised: a boolean-table gather over the codes.
         """
-        if priority is None:
-            return self._sample_uniform(n, generator)
-        live = self.rows()
-        n = min(n, live.numel())
-        if priority != "abs_adv":
-            raise ValueError(f"unknown priority {priority!r}; use None or 'abs_adv'")
-        w = self._col["priority"][live].double().pow(power)
-        return live[torch.multinomial(w, n, replacement=False, generator=generator)]
+        name = "state" if by == "exact" else "abstract"
+        codes = self._codes[name].lookup(
+            _as_keys(samples.state if by == "exact" else samples.abstract)
+        )
+        wanted = torch.zeros(len(self._codes[name]), dtype=torch.bool)
+        wanted[codes[codes >= 0]] = True
+        alive = self._col["alive"][: self._n]
+        hit = wanted[self._col[name][: self._n]] & alive
+        if whole_task_groups and hit.any():
+            groups = self._col["task_group"][: self._n]
+            tasks = torch.zeros(len(self._codes["task_group"]), dtype=torch.bool)
+            tasks[groups[hit]] = True
+            hit |= tasks[groups] & alive
+        if exclude is not None:
+            hit[exclude] = False
+        return hit.nonzero().squeeze(1)
 
-    def _sample_uniform(self, n: int, generator: torch.Generator | None) -> Tensor:
-        """n distinct live rows, uniformly. When the live rows are dense in [head, n) (the usual
-        case) draw positions and reject dead or repeated ones: O(n), not O(records)."""
-        span = self._n - self._head
-        if 4 * n > self._alive or span > 2 * self._alive:
-            live = self.rows()
-            return live[torch.randperm(live.numel(), generator=generator)[:n]]
-        alive = self._col["alive"]
-        picked = torch.empty(0, dtype=torch.long)
-        while picked.numel() < n:
-            cand = torch.randint(self._head, self._n, (2 * n,), generator=generator)
-            picked = torch.cat([picked, cand[alive[cand]]])
-            uniq, inv = torch.unique(picked, return_inverse=True)
-            first = torch.full((uniq.numel(),), picked.numel(), dtype=torch.long)
-            first.scatter_reduce_(0, inv, torch.arange(picked.numel()), "amin")
-            picked = picked[first.sort().values]  # distinct, in the order they were drawn
-        return picked[:n]
+    def batch(self, samples: StepSamples, history: Tensor, by: StateKey = "exact") -> StepBatch:
+        """The `mapo.StepBatch` of `samples` (fresh, first) followed by the stored `history`
+        rows, keyed in one code space: states by `by`, task groups and trajectories by their keys.
+        `fresh` marks the first len(samples) rows."""
+        c, n = self._col, len(samples)
+        name = "state" if by == "exact" else "abstract"
 
-    def set_priority(self, rows: Tensor, adv: Tensor) -> None:
-        """Record |advantage| (+1e-6, so nothing is never drawn) as the rows' sampling priority."""
-        p = adv.detach().abs().float() + 1e-6
-        self._col["priority"][rows] = p
-        if p.numel():
-            self._max_priority = max(self._max_priority, float(p.max()))
+        def codes(which: str, keys) -> Tensor:  # fresh keys in the stored keys' codes, then history
+            return torch.cat([self._codes[which].encode(_as_keys(keys)), c[which][history]])
+
+        fresh = torch.zeros(n + history.numel(), dtype=torch.bool)
+        fresh[:n] = True
+        run = torch.zeros(n, dtype=torch.long) if samples.run is None else samples.run
+        return StepBatch(
+            local_reward=torch.cat([samples.local_reward, c["local_reward"][history]]),
+            global_reward=torch.cat([samples.global_reward, c["global_reward"][history]]),
+            ret=torch.cat([samples.ret, c["ret"][history]]),
+            state=codes(name, samples.state if by == "exact" else samples.abstract),
+            task_group=codes("task_group", samples.task_group),
+            traj=codes("traj", samples.traj),
+            turn=torch.cat([samples.turn, c["turn"][history].long()]),
+            fresh=fresh,
+            run=torch.cat([run, c["run"][history]]),
+            valid=torch.cat([samples.valid, c["valid"][history]]),
+        )
+
+    def samples(self, rows: Tensor) -> StepSamples:
+        """The stored records at `rows` as step samples (keys as given to `add`)."""
+        c = self._col
+        start = c["tok_start"][rows]
+        length = c["tok_len"][rows].long()
+        offset = torch.cumsum(length, 0) - length
+        at = torch.repeat_interleave(start, length) + (
+            torch.arange(int(length.sum())) - torch.repeat_interleave(offset, length)
+        )  # [M] positions of the rows' tokens in the flat store
+        return StepSamples(
+            state=self.keys_of(rows, "state"),
+            abstract=self.keys_of(rows, "abstract"),
+            task_group=self.keys_of(rows, "task_group"),
+            traj=self.keys_of(rows, "traj"),
+            turn=c["turn"][rows].long(),
+            tokens=self._tokens[at].long(),
+            logp=self._logp[at],
+            tok_len=length,
+            local_reward=c["local_reward"][rows],
+            ret=c["ret"][rows],
+            global_reward=c["global_reward"][rows],
+            valid=c["valid"][rows],
+            version=c["version"][rows],
+            run=c["run"][rows],
+        )
 
     # -------------------------------------------------------------------------------- memory
 

@@ -1,29 +1,37 @@
 """The main job (`make demo`, `kitchen demo`): align the tiny policy end to end and report.
 
-1. Two training runs from the shipped recipes, same seeds and budgets: `tiny_mapo.yaml` (the
-   seeds' method) and `tiny_grpo.yaml` (outcome-only, the usual agentic RL baseline). Each is a
-   `kitchen cook` subprocess with one torch thread, run side by side on a 2-core machine; a
-   finished run is reused and an interrupted one resumed, so `make demo` can be re-run cheaply.
+1. Two training runs from one recipe, `recipes/tiny_mapo.yaml`: `demo-mapo` (the method) and
+   `demo-grpo`, its `compare: grpo` arm (`Recipe.variant`) — the same recipe with GRPO's
+   outcome-only advantage and MAPO's state key and loss aggregation, so the two runs differ in
+   the advantage estimator alone (`mapo.one_factor`; the report prints what each applies,
+   `mapo.describe`). Same seeds, tasks, budgets and GRM reward. Each is a `kitchen cook`
+   subprocess with one torch thread, run side by side on a 2-core machine; a finished run is
+   reused and an interrupted one resumed, so `make demo` can be re-run cheaply (a run folder
+   whose recipe differs from today's is started afresh).
 2. Evaluation on held-out tasks and diners with the rule judge (`kitchen.evaluate`): each RL
    policy against the SFT policy — win rate with a 95% interval, per-clause compliance, task
    success, axiom violations — with and without the axiom guard.
-3. Sample efficiency: training episodes each run needed to reach the same judged compliance.
+3. Sample efficiency: training episodes each run needed to reach the same held-out compliance.
 4. A self-contained HTML report (`runs/demo/report.html`) and the numbers as JSON
    (`runs/demo/results.json`), which the README quotes.
 
-This is seed 000's step 7 loop and §6 validation in one command.
+This is the method's training loop and its validation (docs/method.md#policy-update,
+docs/method.md#validation) in one command.
 
-Departures from the seeds:
-1. Seed 000 §6 validates with human blind comparisons and human spot checks of personalisation;
+Departures from the method:
+1. Validation there asks for human blind comparisons and human spot checks of personalisation;
    here the independent rule judge scores both, on held-out tasks and diners, because every
    concierge clause is checkable and the whole job must run unattended in CI.
-2. Sample efficiency is read on the training rollouts' judged compliance (rolling mean), the one
-   curve both runs share at every iteration; held-out evaluation runs at the end.
+2. Sample efficiency is read on the held-out compliance curve each run logs every `eval_every`
+   iterations, starting from the SFT policy; the full held-out evaluation runs at the end.
+3. `tiny_grpo.yaml` (GRPO as its source defines it, seq-mean-token-mean loss) is not the
+   comparison: it differs from MAPO's recipe in its loss aggregation too.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,31 +39,58 @@ import time
 from pathlib import Path
 from typing import Any
 
+import polars as pl
+import torch
 import yaml
+from tqdm.auto import tqdm
 
-from kitchen import paths
+from kitchen import charts, mapo, paths
 from kitchen.config import KitchenError
+from kitchen.evaluate import EvalConfig, eval_jobs, evaluate, judged_scores, win_rate
 from kitchen.files import atomic_write_json, atomic_write_text
+from kitchen.models import ModelSpec, load_model
+from kitchen.report import Section, run_sections, write_html
+from kitchen.train import Recipe, held_out_report, latest_checkpoint, load_recipe, load_run_policy
+
+RUNS = {
+    "demo-mapo": None,
+    "demo-grpo": "grpo",
+}  # run name → the recipe's compare arm (None: itself)
 
 
-def _recipe(path: Path, name: str, iterations: int | None) -> dict[str, Any]:
-    doc = yaml.safe_load(path.read_text())
-    doc["name"] = name
-    if iterations:
-        doc["train"]["iterations"] = iterations
-        if doc.get("advantage", {}).get("overrides", {}).get("alpha", {}).get("steps"):
-            doc["advantage"]["overrides"]["alpha"]["steps"] = iterations
-    return doc
+def arms(
+    iterations: int | None = None, recipe: str | os.PathLike = paths.RECIPES / "tiny_mapo.yaml"
+) -> dict[str, dict[str, Any]]:
+    """The main job's runs as recipe documents: `recipe` itself as demo-mapo and its `compare:
+    grpo` arm as demo-grpo — the same recipe but for the advantage estimator. `iterations`
+    shortens both (an α schedule set in the overrides is shortened with them)."""
+    base = load_recipe(recipe)
+    out = {}
+    for name, arm in RUNS.items():
+        r = base.model_copy(update={"name": name}) if arm is None else base.variant(arm, name)
+        doc = r.model_dump(mode="json", by_alias=True) | {"compare": {}}
+        if iterations:
+            doc["train"]["iterations"] = iterations
+            alpha = doc["advantage"]["overrides"].get("alpha")
+            if isinstance(alpha, dict) and alpha.get("steps"):
+                alpha["steps"] = iterations
+        out[name] = doc
+    return out
 
 
-def _state(folder: Path, iterations: int) -> str:
-    """'done', 'partial' or 'new' for a run folder."""
-    from kitchen.train import latest_checkpoint
-
+def _state(folder: Path, doc: dict[str, Any]) -> str:
+    """'done', 'partial' or 'new' for a run folder meant to run the recipe `doc`; a folder
+    whose saved recipe differs from `doc` (an older demo) counts as 'new'."""
     ck = latest_checkpoint(folder)
     if ck is None:
         return "new"
-    done = int(ck.name.split("-")[1]) >= iterations
+    try:
+        saved = load_recipe(folder / "recipe.yaml").model_dump()
+    except KitchenError:  # written by an older kit
+        return "new"
+    if saved != Recipe.model_validate(doc).model_dump():
+        return "new"
+    done = int(ck.name.split("-")[1]) >= doc["train"]["iterations"]
     return "done" if done else "partial"
 
 
@@ -63,8 +98,6 @@ def cook_side_by_side(
     recipes: dict[str, dict[str, Any]], out: Path, progress: bool = True
 ) -> dict[str, Path]:
     """Run each recipe in its own `kitchen cook` process, all at once; wait for them."""
-    from tqdm.auto import tqdm
-
     procs: dict[str, tuple[subprocess.Popen, Any]] = {}
     folders = {}
     for name, doc in recipes.items():
@@ -72,12 +105,10 @@ def cook_side_by_side(
         folders[name] = folder
         rpath = out / f"{name}.yaml"
         atomic_write_text(rpath, yaml.safe_dump(doc, sort_keys=False))
-        state = _state(folder, doc["train"]["iterations"])
+        state = _state(folder, doc)
         if state == "done":
             continue
         if state == "new" and folder.exists():
-            import shutil
-
             shutil.rmtree(folder)
         args = ["--resume", str(folder)] if state == "partial" else [str(rpath)]
         log = (out / f"{name}.log").open("w")
@@ -113,8 +144,6 @@ def cook_side_by_side(
 
 
 def _iterations(folder: Path) -> int:
-    import polars as pl
-
     f = folder / "metrics.parquet"
     try:
         return pl.read_parquet(f).height if f.exists() else 0
@@ -140,16 +169,10 @@ def main_job(
     eval_tasks: int = 24,
     eval_samples: int = 2,
     progress: bool = True,
+    recipe: str | os.PathLike = paths.RECIPES / "tiny_mapo.yaml",
 ) -> dict[str, Any]:
-    """Run the whole main job; returns the results (also written to runs/demo/)."""
-    import polars as pl
-
-    from kitchen import charts
-    from kitchen.evaluate import EvalConfig, evaluate, judged_scores, win_rate
-    from kitchen.models import ModelSpec, load_model
-    from kitchen.report import Section, run_sections, write_html
-    from kitchen.train import Recipe, held_out_report, load_run_policy
-
+    """Run the whole main job on `recipe` and its `compare: grpo` arm; returns the results (also
+    written to runs/demo/)."""
     for need in ("policy-tiny", "grm-tiny"):
         if not (paths.DATA / "models" / need / "config.json").exists():
             raise KitchenError(
@@ -159,14 +182,9 @@ def main_job(
     out = paths.RUNS / "demo"
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    recipes = {
-        "demo-mapo": _recipe(paths.RECIPES / "tiny_mapo.yaml", "demo-mapo", iterations),
-        "demo-grpo": _recipe(paths.RECIPES / "tiny_grpo.yaml", "demo-grpo", iterations),
-    }
+    recipes = arms(iterations, recipe)
     folders = cook_side_by_side(recipes, out, progress)
     train_s = time.perf_counter() - t0
-
-    import torch
 
     torch.set_num_threads(1)
     sft = load_model(ModelSpec(path=str(paths.DATA / "models" / "policy-tiny")))
@@ -174,6 +192,10 @@ def main_job(
     cfg = EvalConfig(tasks=eval_tasks, samples=eval_samples)
     results: dict[str, Any] = {
         "iterations": {n: d["train"]["iterations"] for n, d in recipes.items()},
+        "advantage": {
+            n: mapo.describe(Recipe.model_validate(d).advantage.resolve())
+            for n, d in recipes.items()
+        },
         "eval": cfg.model_dump(),
         "train_seconds": train_s,
     }
@@ -204,11 +226,9 @@ def main_job(
             "clause_pass": rep.baseline.clause_pass,
             "personalisation": rep.baseline.personalisation,
         }
+    pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
     mapo_s, grpo_s = (
-        judged_scores(
-            reports[n][1]["policy"], [pc for _, pc, _ in _jobs(cfg) for _ in range(cfg.samples)]
-        )
-        for n in ("demo-mapo", "demo-grpo")
+        judged_scores(reports[n][1]["policy"], pcs) for n in ("demo-mapo", "demo-grpo")
     )
     results["mapo_vs_grpo_win_rate"] = win_rate(mapo_s, grpo_s, n=cfg.bootstrap, seed=cfg.seed)
 
@@ -291,6 +311,13 @@ def main_job(
         "personalisation",
     )
     s2 = Section("MAPO vs GRPO: sample efficiency").text(efficiency_text(results))
+    s2.text(
+        "The two runs share one recipe and differ in the advantage estimator alone (the GRPO "
+        "run is the recipe's `compare: grpo` arm, with MAPO's state key and loss). What each "
+        "computes:"
+    )
+    for name, text in results["advantage"].items():
+        s2.pre(f"{name}: {text}")
     s2.chart(charts.compare_runs(curves, "eval/compliance", title="held-out judged compliance"))
     s2.chart(charts.compare_runs(frames, "judge/compliance", title="judged compliance (training)"))
     s2.chart(charts.compare_runs(frames, "reward/global_mean", title="task success (training)"))
@@ -307,12 +334,6 @@ def main_job(
     )
     atomic_write_json(out / "results.json", results)
     return results
-
-
-def _jobs(cfg: Any) -> list:
-    from kitchen.evaluate import eval_jobs
-
-    return eval_jobs(cfg)
 
 
 def efficiency_text(results: dict[str, Any]) -> str:

@@ -22,9 +22,10 @@ small enough to measure that claim many times over, in pure torch:
 `train` runs one preset for many seeds at once (the seeds are a batch dimension: one
 `ReplayBuffer`, one `mapo.advantages` call and one Adam step per update, rows tagged with their
 seed so no statistic mixes seeds), through exactly the code path a language-model trainer uses:
-`mapo.returns_for` → `ReplayBuffer` → `mapo.advantages` → `mapo.mapo_loss`. The success rate is
-computed exactly from θ (no evaluation noise); "samples" are rollouts (episodes) drawn from the
-environment, so replayed history is free, as it is in a real run.
+`mapo.returns_for` → `steps.StepSamples` → `steps.advantages_for` (the replay buffer where the
+preset uses one) → `mapo.mapo_loss`. The success rate is computed exactly from θ (no evaluation
+noise); "samples" are rollouts (episodes) drawn from the environment, so replayed history is
+free, as it is in a real run.
 
 Departures from a language-model run:
 1. One action is one token, so the loss-aggregation modes differ only by constant factors, which
@@ -47,7 +48,8 @@ from pydantic import Field, model_validator
 from kitchen import mapo
 from kitchen.buffer import ReplayBuffer
 from kitchen.config import StrictModel
-from kitchen.mapo import AdvantageConfig, StepBatch
+from kitchen.mapo import AdvantageConfig
+from kitchen.steps import StepSamples, advantages_for
 
 Tensor = torch.Tensor
 
@@ -186,8 +188,10 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(-1)
 
 
-def _step_batch(config: LabConfig, ro: Rollouts, ret: Tensor, update: int) -> tuple[dict, Tensor]:
-    """Per-step records of one update's rollouts, as buffer fields / StepBatch columns."""
+def _step_samples(
+    config: LabConfig, ro: Rollouts, ret: Tensor, update: int
+) -> tuple[StepSamples, Tensor]:
+    """One update's rollouts as step samples ([S·K·H] rows), and each row's judged quality."""
     S, K, H = ro.action.shape
     A, C = config.actions, config.situations
     seed = torch.arange(S)[:, None, None].expand(S, K, H)
@@ -195,19 +199,21 @@ def _step_batch(config: LabConfig, ro: Rollouts, ret: Tensor, update: int) -> tu
     state = (seed * H + turn) * C + ro.situation  # unique per (seed, turn, situation)
     group = update * S + seed  # one task group per seed and update
     traj = group * K + torch.arange(K)[None, :, None]
-    fields = {
-        "state": _flat(state),
-        "tokens": _flat(state * A + ro.action),  # flat index into θ
-        "logp": _flat(ro.logp),
-        "local_reward": _flat(ro.local),
-        "ret": _flat(ret),
-        "global_reward": _flat(ro.success.float()[:, :, None].expand(S, K, H)),
-        "task_group": _flat(group),
-        "traj": _flat(traj),
-        "turn": _flat(turn),
-        "run": _flat(seed),
-    }
-    return fields, _flat(ro.quality)
+    samples = StepSamples(
+        state=_flat(state),
+        tokens=_flat(state * A + ro.action),  # one token per step: its flat index into θ
+        logp=_flat(ro.logp),
+        tok_len=torch.ones(S * K * H, dtype=torch.long),
+        local_reward=_flat(ro.local),
+        ret=_flat(ret),
+        global_reward=_flat(ro.success.float()[:, :, None].expand(S, K, H)),
+        task_group=_flat(group),
+        traj=_flat(traj),
+        turn=_flat(turn),
+        version=update,
+        run=_flat(seed),
+    )
+    return samples, _flat(ro.quality)
 
 
 def train(
@@ -224,9 +230,7 @@ def _train(config: LabConfig, adv: AdvantageConfig, seeds: int, stop_at_target: 
     world = make_world(config, S, gen)
     theta = torch.zeros(S, H, C, A, requires_grad=True)
     opt = torch.optim.Adam([theta], lr=config.lr)
-    buffer = None
-    if adv.use_buffer:
-        buffer = ReplayBuffer(capacity=config.capacity * S, max_age=config.max_age)
+    buffer = ReplayBuffer(capacity=config.capacity * S, max_age=config.max_age)
     replay = adv.replay_in_gradient
 
     success = [success_rate(world, theta, config.key_step)]
@@ -239,39 +243,20 @@ def _train(config: LabConfig, adv: AdvantageConfig, seeds: int, stop_at_target: 
         ret = mapo.returns_for(
             adv, ro.local.reshape(S * config.k, H), ro.success.reshape(-1).float()
         )
-        fields, _quality = _step_batch(config, ro, ret, update)
-        if buffer is not None:
-            rows = buffer.add(**fields, version=update)
-            rows, fresh = buffer.with_history(rows, adv.state_key, whole_task_groups=replay)
-            batch = buffer.batch(rows, adv.state_key, fresh)
-            tokens = buffer.padded(rows, "tokens")[0][:, 0].long()
-            old_logp = buffer.padded(rows, "logp")[0][:, 0]
-        else:
-            batch = StepBatch(
-                local_reward=fields["local_reward"],
-                global_reward=fields["global_reward"],
-                ret=fields["ret"],
-                state=fields["state"],
-                task_group=fields["task_group"],
-                traj=fields["traj"],
-                turn=fields["turn"],
-                run=fields["run"],
-            )
-            tokens, old_logp = fields["tokens"], fields["logp"]
-
-        a, m = mapo.advantages(batch, adv, step=update)
-        rows_in = mapo.gradient_mask(batch, adv)
-        tok = tokens[rows_in]
+        samples, _quality = _step_samples(config, ro, ret, update)
+        scored = advantages_for(samples, adv, buffer, step=update)
+        tok = scored.samples.tokens  # [G]: one token per step sample
         logp = torch.log_softmax(theta.reshape(-1, A), -1)[tok // A, tok % A][:, None]  # [G, 1]
         loss, lm = mapo.mapo_loss(
             logp,
-            a[rows_in],
+            scored.adv,
             torch.ones_like(logp, dtype=torch.bool),
             ref_logp=torch.full_like(logp, -math.log(A)),
-            old_logp=old_logp[rows_in][:, None] if replay else None,
+            old_logp=scored.samples.logp[:, None] if replay else None,
             is_cap=adv.is_cap if replay else None,
             **adv.loss_kwargs(),
         )
+        m = scored.metrics
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -382,32 +367,17 @@ def _credit_snapshot(
     batches = [rollout(world, theta, config, gen) for _ in range(warmup + 1)]
     out = []
     for adv in presets.values():
-        buffer = (
-            ReplayBuffer(capacity=config.capacity * S, max_age=None) if adv.use_buffer else None
-        )
-        for u, ro in enumerate(batches):
+        buffer = ReplayBuffer(capacity=config.capacity * S, max_age=None)
+        for u, ro in enumerate(batches):  # the earlier batches only fill the buffer (if used)
             ret = mapo.returns_for(
                 adv, ro.local.reshape(S * config.k, H), ro.success.reshape(-1).float()
             )
-            fields, quality = _step_batch(config, ro, ret, u)
-            if buffer is not None:
-                rows = buffer.add(**fields, version=u)
-        if buffer is not None:
-            rows, fresh = buffer.with_history(rows, adv.state_key)
-            batch = buffer.batch(rows, adv.state_key, fresh)
-        else:
-            batch = StepBatch(
-                **{k: fields[k] for k in ("local_reward", "global_reward", "ret", "state")},
-                task_group=fields["task_group"],
-                traj=fields["traj"],
-                turn=fields["turn"],
-                run=fields["run"],
-            )
-        a, _ = mapo.advantages(batch, adv, step=adv.alpha.steps)  # α as after its schedule
-        a = a[: quality.numel()]  # the fresh rows come first
-        succ = fields["global_reward"]
+            samples, quality = _step_samples(config, ro, ret, u)
+            scored = advantages_for(samples, adv, buffer, step=adv.alpha.steps)  # α after schedule
+        a = scored.adv[: scored.n_fresh]
+        succ = samples.global_reward
         for t, q, s, v in zip(
-            fields["turn"].tolist(), quality.tolist(), succ.tolist(), a.tolist(), strict=True
+            samples.turn.tolist(), quality.tolist(), succ.tolist(), a.tolist(), strict=True
         ):
             out.append(
                 {

@@ -35,6 +35,14 @@ Departures from the seeds, and from the sources of the presets:
 4. Zero-variance groups are detected exactly (max == min) instead of relying on `r − mean`
    being 0 in floating point; statistics are computed in float64. Results agree with TRL's and
    verl's float32 code to float32 precision.
+5. `reinforce_pp` whitens its returns over *turns*; verl's REINFORCE++
+   (`compute_reinforce_plus_plus_outcome_advantage`) whitens over *response tokens*, so there a
+   turn weighs in the batch mean and std by its length. Here every step row weighs the same, as
+   in every other preset. Example, γ = 1 (so the tokens of a turn share its return): two turns
+   with returns 1 and 0, 3 tokens and 1 token long. verl whitens [1, 1, 1, 0] (mean 0.75, Bessel
+   std 0.5) → +0.5 on each token of the first turn, −1.5 on the second; here [1, 0] (mean 0.5,
+   std 0.707) → +0.707 and −0.707. The signs agree; the centre and the scale differ whenever
+   turn lengths do (`tests/test_mapo.py` checks this example).
 """
 
 from __future__ import annotations
@@ -906,6 +914,122 @@ def preset(key: str, /, **overrides) -> AdvantageConfig:
         raise KeyError(f"unknown preset {key!r}; known: {', '.join(PRESETS)}")
     data = PRESETS[key].model_dump() | overrides
     return AdvantageConfig.model_validate(data)
+
+
+# --------------------------------------------------------------------------------------------
+# One-factor comparisons, and what a preset computes
+# --------------------------------------------------------------------------------------------
+
+# Fields that are not the advantage estimator: what counts as the same state (the world's keys),
+# and the loss (aggregation, KL, importance-weight cap). A comparison of estimators holds them.
+SHARED_FIELDS = ("state_key", "loss_agg", "norm_len", "beta", "kl", "is_cap")
+
+
+def one_factor(arm: AdvantageConfig, base: AdvantageConfig) -> AdvantageConfig:
+    """`arm`'s advantage estimator with `base`'s loss and state key (`SHARED_FIELDS`).
+
+    Each preset is faithful to its source, so two presets can differ in more than their
+    advantage: `grpo` aggregates its loss seq-mean-token-mean (the paper), `mapo` token-mean.
+    A comparison meant to isolate the advantage estimator runs `one_factor(arm, base)` against
+    `base`: signals, groups, normalisation, mix, α and the buffer's use come from `arm`, the rest
+    from `base`. `describe` shows what each side then applies.
+    """
+    return AdvantageConfig.model_validate(
+        arm.model_dump() | {k: getattr(base, k) for k in SHARED_FIELDS}
+    )
+
+
+def _norm_text(x: str, group: str, norm: Norm) -> str:
+    centre = (
+        f"{x} − mean_{group}({x})"
+        if norm.baseline == "mean"
+        else f"{x} − mean of the others in {group}"
+    )
+    if norm.scale == "none":
+        return f"({centre})"
+    spread = "Bessel std" if norm.unbiased else "population std"
+    if norm.eps_mode == "var":
+        return f"({centre}) / sqrt(var_{group} + {norm.eps:g})   [{spread}]"
+    return f"({centre}) / (std_{group} + {norm.eps:g})   [{spread}]"
+
+
+def _signal_text(config: AdvantageConfig, signal: str) -> str:
+    if signal == "reward":
+        return "r_t, the turn's local reward"
+    outcome = " + γ^(L−1−t)·R" if config.outcome_in_return else ""
+    if config.gamma == 0.0 and not config.outcome_in_return:
+        return "r_t, the turn's local reward (its return with γ = 0)"
+    return f"G_t = Σ_k γ^k·r_(t+k){outcome}, γ = {config.gamma:g}"
+
+
+def _alpha_text(a: AlphaSchedule) -> str:
+    if a.kind == "constant":
+        return f"α = {a.alpha0:g}"
+    return (
+        f"α from {a.alpha0:g} to {a.alpha1:g} ({a.kind}) over {a.steps} updates, then {a.alpha1:g}"
+    )
+
+
+def describe(config: AdvantageConfig | str) -> str:
+    """The equations a preset (a name in `PRESETS`, or any config) actually applies, as text.
+
+    For example `print(describe("grpo"))`: which signal each term normalises, in which groups,
+    with which ε and std, how the terms are mixed, and the loss. Terms whose weight is 0 for the
+    whole α schedule are said to be unused, as `advantages` skips them.
+    """
+    c = PRESETS[config] if isinstance(config, str) else config
+    a = c.alpha
+    alphas = (a.alpha0,) if a.kind == "constant" else (a.alpha0, a.alpha1)
+    uses_local, uses_global = max(alphas) > 0, c.mix == "additive" or min(alphas) < 1
+    lines = [c.name] + ([f"  source   {c.source}"] if c.source else [])
+    if uses_local:
+        group = {
+            "state": f"same {c.state_key} state key, across task groups"
+            + (" and the replay buffer's history" if c.use_buffer else ""),
+            "state_in_task": f"same {c.state_key} state key inside the task group",
+            "turn": "same task group and turn index",
+            "batch": "every step of the batch",
+        }[c.local_groups]
+        lone = {
+            "zero": "0",
+            "turn": "its turn group's (same task group and turn index)",
+            "batch": "the batch's",
+        }[c.singleton]
+        lines += [
+            f"  x_t      = {_signal_text(c, c.local_signal)}",
+            f"  A_local  = {_norm_text('x', 'g', c.local_norm)},  g = {group}",
+            f"             a step alone in g gets {lone}; a turn without a local signal gets 0",
+        ]
+    else:
+        lines.append("  A_local  not used (α = 0 throughout)")
+    if uses_global:
+        y = (
+            "R, the trajectory's outcome"
+            if c.global_signal == "outcome"
+            else _signal_text(c, "return")
+        )
+        group = "the K rollouts of its task" if c.global_groups == "task" else "the whole batch"
+        unit = "one value per trajectory" if c.global_unit == "trajectory" else "one value per step"
+        lines += [
+            f"  y        = {y}",
+            f"  A_global = {_norm_text('y', 'k', c.global_norm)},  k = {group} ({unit})",
+        ]
+    else:
+        lines.append("  A_global not used (α = 1 throughout, convex mix)")
+    if not uses_local:
+        lines.append("  A        = A_global")
+    elif not uses_global:
+        lines.append("  A        = A_local")
+    elif c.mix == "additive":
+        lines.append(f"  A        = A_global + α·A_local,  {_alpha_text(a)}")
+    else:
+        lines.append(f"  A        = α·A_local + (1 − α)·A_global,  {_alpha_text(a)}")
+    kl = f" + {c.beta:g}·{c.kl}(π‖π_ref)" if c.beta else ""
+    weight = f"min(π/π_old, {c.is_cap:g})·" if c.replay_in_gradient else ""
+    lines.append(f"  loss     = {c.loss_agg} of  −{weight}A·log π(a){kl}  over action tokens")
+    if c.replay_in_gradient:
+        lines.append("             replayed history enters with truncated importance weights")
+    return "\n".join(lines)
 
 
 def schema() -> dict:

@@ -1,11 +1,15 @@
-"""The training loop: personal constitutions → rollouts → GRM reviews → buffer → MAPO → evaluation.
+"""The training loop: personal constitutions → rollouts → reviews → step samples → MAPO.
 
-Seed 000 (step 7 and its pseudo-code) and seed 001 (§8) chain the stages into one iteration:
+One iteration of the method (docs/method.md#policy-update), as `Run.step` reads:
 
-    sample tasks and profiles → personalise (cached) → roll out K samples per task
-    → review every trajectory (GRM, batched) → local rewards per turn, global reward per episode
-    → replay buffer → advantages (any preset of kitchen.mapo) → REINFORCE + KL → optimiser step
-    → (every few iterations) independent evaluation with the rule judge
+    sample jobs (task, personal constitution, diner) → roll out K episodes per job
+    → review every episode (the GRM, batched; the rule judge alongside, for metrics)
+    → rewards: a local reward per turn, a global reward per episode (`episode_rewards`)
+    → step samples, one per trainable turn, with their returns (`step_samples`)
+    → advantages, through the replay buffer where the preset uses one (`steps.advantages_for`)
+    → REINFORCE + KL on the action tokens, one optimiser step per minibatch (`Run._update`)
+    → metrics from what the iteration produced (`iteration_metrics`)
+    → (every few iterations) held-out evaluation with the rule judge
 
 A run is described by a declarative `Recipe` (YAML; `kitchen cook RECIPE`) and writes to
 `runs/<name>/`:
@@ -27,18 +31,22 @@ The KL reference is the policy's base with its adapter switched off (`models.ada
 no second copy of the weights. On one GPU the GRM may be a second adapter on the same base
 (`grm.adapter`).
 
-Departures from the seeds:
+A recipe's `compare:` block names other advantage estimators to run against it with everything
+else held (`Recipe.variant`, `mapo.one_factor`): how the main job compares MAPO with GRPO.
+
+Departures from the method:
 1. Turns on which no clause gives a verdict (e.g. a search for a request that named its cuisine),
    and turns whose verdicts the GRM failed to produce, carry no local signal: their local
    advantage is 0 and they stay out of the state-group statistics; only the global advantage
-   moves them (DESIGN: "no reward signal, not a zero").
+   moves them (docs/method.md#rewards: no reward signal is not a zero reward).
 2. Truncated turns (token budget hit) and turns the axiom guard replaced are never trained on.
-3. An "entropy collapse" alarm (seed 000 §6.1: entropy must not plunge) fires when the policy's
-   mean token entropy drops below `entropy_alarm` × its value at the first iteration.
+3. An "entropy collapse" alarm (docs/method.md#validation: entropy must not plunge) fires when the
+   policy's mean token entropy drops below `entropy_alarm` × its value at the first iteration.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -46,7 +54,8 @@ import random
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,15 +67,26 @@ from kitchen import paths
 from kitchen.buffer import BufferConfig, ReplayBuffer
 from kitchen.config import KitchenError, StrictModel, read_yaml, validate_doc
 from kitchen.constitution import PersonalConstitution, PersonalizationCache, load_constitution
-from kitchen.evaluate import EvalConfig, policy_report, reward_gap
-from kitchen.files import atomic_write_bytes, atomic_write_text, write_jsonl
-from kitchen.grm import GRMConfig
-from kitchen.jobs import Job
+from kitchen.evaluate import EvalConfig, eval_jobs, policy_report, reward_gap
+from kitchen.files import atomic_write_bytes, atomic_write_text, read_jsonl, write_jsonl
+from kitchen.grm import GRM, GRMConfig
+from kitchen.jobs import Job, pair_jobs
 from kitchen.judge import judge
-from kitchen.mapo import AdvantageConfig, advantages, mapo_loss, preset, returns_for
-from kitchen.models import LoraSpec, ModelSpec
+from kitchen.mapo import SHARED_FIELDS, AdvantageConfig, mapo_loss, preset, returns_for
+from kitchen.models import (
+    LoraSpec,
+    ModelSpec,
+    adapters_disabled,
+    add_adapter,
+    load_adapter,
+    load_model,
+    save_adapter,
+    token_logprobs,
+    use_adapter,
+)
 from kitchen.review import Review, clause_pass_rates, global_reward, turn_rewards
-from kitchen.rollout import RolloutConfig, render_prompt, rollout
+from kitchen.rollout import RolloutConfig, RolloutStats, render_prompt, rollout
+from kitchen.steps import Scored, StepSamples, advantages_for, ragged
 from kitchen.world import Trajectory, load_menu
 
 
@@ -75,12 +95,14 @@ class AdvantageChoice(StrictModel):
 
     preset: str = Field(
         "mapo",
-        description="grpo, dr_grpo, rloo, reinforce_pp, gigpo, "
-        "mapo_paper or mapo. Default mapo (the seeds' method).",
+        description="grpo, dr_grpo, rloo, reinforce_pp, gigpo, mapo_paper or mapo. Default mapo "
+        "(the method: docs/method.md#mapo). `kitchen.mapo.describe(name)` prints what each "
+        "applies.",
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="Fields of `AdvantageConfig` to change, e.g. {beta: 0.02}.",
+        description="Fields of `AdvantageConfig` to change, e.g. {beta: 0.02}. Default none: "
+        "the preset as its source defines it.",
     )
 
     def resolve(self) -> AdvantageConfig:
@@ -91,12 +113,19 @@ class AdvantageChoice(StrictModel):
 
 
 class RewardConfig(StrictModel):
+    """How reviews become rewards (docs/method.md#rewards)."""
+
     reviewer: Literal["grm", "judge"] = Field(
         "grm",
         description="Who reviews for the training reward: the GRM (the method), or the "
         "rule judge (an oracle, for ablations: it measures what a perfect GRM would give).",
     )
-    local_mode: Literal["mean", "sum"] = Field("mean", description="See kitchen.review.")
+    local_mode: Literal["mean", "sum"] = Field(
+        "mean",
+        description="A turn's local reward: the weighted mean of its clause verdicts (default: "
+        "a turn where many clauses apply is not rewarded more for it), or their sum. See "
+        "kitchen.review, departure 1.",
+    )
     flagged: Literal["keep", "violate"] = Field(
         "violate",
         description="A turn flagged for trying to steer the reviewer (fake verdicts, "
@@ -112,6 +141,8 @@ class RewardConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
+    """The training budget and the optimiser."""
+
     iterations: int = Field(30, ge=1, description="Rollout → update cycles.")
     tasks_per_iteration: int = Field(
         4,
@@ -127,12 +158,24 @@ class TrainConfig(StrictModel):
     lr: float = Field(
         2e-4,
         gt=0,
-        description="AdamW learning rate of the LoRA adapter. 2e-4: "
-        "the QLoRA paper's value; seed 000 FAQ 4 says lower it if training wobbles.",
+        description="AdamW learning rate of the LoRA adapter. 2e-4: the QLoRA paper's value; "
+        "lower it if training wobbles (docs/method.md#faq).",
     )
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0, description="Max gradient norm.")
-    minibatch: int = Field(64, ge=1, description="Step samples per optimiser step.")
+    weight_decay: float = Field(
+        0.0,
+        ge=0,
+        description="AdamW weight decay of the adapter. 0: a LoRA adapter starts at zero and "
+        "the KL term already keeps it near the reference.",
+    )
+    grad_clip: float = Field(
+        1.0, gt=0, description="Max gradient norm (1.0, the usual RL fine-tuning value)."
+    )
+    minibatch: int = Field(
+        64,
+        ge=1,
+        description="Step samples per optimiser step (whole trajectories are kept together, so a "
+        "minibatch may hold a few more).",
+    )
     epochs: int = Field(
         1,
         ge=1,
@@ -156,27 +199,69 @@ class Recipe(StrictModel):
     """Everything a training run needs, in one YAML file (`kitchen cook RECIPE`)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Run name: runs/<name>/.")
-    seed: int = 0
+    seed: int = Field(
+        0,
+        description="Seeds every draw of the run (jobs, rollouts, minibatch order) per "
+        "iteration, so a resumed run ends where an uninterrupted one does.",
+    )
     policy: ModelSpec = Field(
         default_factory=lambda: ModelSpec(path="data/models/policy-tiny", lora=LoraSpec()),
         description="The policy: the shipped tiny SFT checkpoint by default, with a fresh LoRA "
         "adapter (the KL reference is the base with the adapter off).",
     )
-    grm: GRMConfig = Field(default_factory=GRMConfig)
-    constitution: str = Field("constitutions/concierge.yaml")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    advantage: AdvantageChoice = Field(default_factory=AdvantageChoice)
-    buffer: BufferConfig = Field(default_factory=lambda: BufferConfig(max_age=8, dedup=True))
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(tasks=12, samples=1))
+    grm: GRMConfig = Field(
+        default_factory=GRMConfig,
+        description="The generative reward model (reward.reviewer: grm): the shipped tiny GRM "
+        "by default, or a second adapter on the policy's base (grm.adapter).",
+    )
+    constitution: str = Field(
+        "constitutions/concierge.yaml",
+        description="The constitution every job's personal constitution is made from.",
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig,
+        description="How the policy samples: K episodes per job, turn and token budgets.",
+    )
+    advantage: AdvantageChoice = Field(
+        default_factory=AdvantageChoice,
+        description="The advantage estimator and loss: a preset and its overrides.",
+    )
+    compare: dict[str, AdvantageChoice] = Field(
+        default_factory=dict,
+        description="Other estimators to compare with this recipe's, by name, e.g. {grpo: "
+        "{preset: grpo}}: `Recipe.variant(name)` is this recipe with that estimator and this "
+        "one's state key and loss (mapo.SHARED_FIELDS; an arm's own overrides win), so the runs "
+        "differ in the advantage alone. `kitchen cook` ignores it; `kitchen demo` runs each arm. "
+        "Default none.",
+    )
+    buffer: BufferConfig = Field(
+        default_factory=lambda: BufferConfig(max_age=8, dedup=True),
+        description="The replay buffer (used by presets with use_buffer: mapo). Default: 8 "
+        "versions of history, duplicates kept once.",
+    )
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="How reviews become rewards."
+    )
+    train: TrainConfig = Field(
+        default_factory=TrainConfig, description="Iterations, batch sizes and the optimiser."
+    )
+    eval: EvalConfig = Field(
+        default_factory=lambda: EvalConfig(tasks=12, samples=1),
+        description="Held-out evaluation during training (rule judge): 12 tasks × 1 sample by "
+        "default, small enough to run every few iterations.",
+    )
     eval_every: int = Field(
         10,
         ge=0,
         description="Evaluate every N iterations (0: never; the "
         "last iteration is always evaluated when > 0).",
     )
-    checkpoint_every: int = Field(5, ge=1)
+    checkpoint_every: int = Field(
+        5,
+        ge=1,
+        description="Write a checkpoint every N iterations (and after the last one); a resumed "
+        "run restarts from the newest.",
+    )
     samples_per_iteration: int = Field(
         4, ge=0, description="Trajectories logged to samples.jsonl per iteration."
     )
@@ -198,6 +283,24 @@ class Recipe(StrictModel):
             )
         return v
 
+    def variant(self, arm: str, name: str | None = None) -> Recipe:
+        """This recipe with the advantage estimator of `compare[arm]` and everything else held:
+        the arm's preset and overrides, over this recipe's state key and loss
+        (`mapo.SHARED_FIELDS`). Named `name` (default `<name>-<arm>`); its `compare` is empty."""
+        if arm not in self.compare:
+            raise KitchenError(
+                f"compare: no arm {arm!r}; this recipe compares {', '.join(self.compare) or 'none'}"
+            )
+        base = self.advantage.resolve().model_dump(mode="json")
+        choice = self.compare[arm]
+        held = {k: base[k] for k in SHARED_FIELDS}
+        doc = self.model_dump(mode="json", by_alias=True) | {
+            "name": name or f"{self.name}-{arm}",
+            "advantage": {"preset": choice.preset, "overrides": held | choice.overrides},
+            "compare": {},
+        }
+        return Recipe.model_validate(doc)
+
 
 def load_recipe(path: str | os.PathLike) -> Recipe:
     """Read and validate a recipe YAML (errors name file, line and field)."""
@@ -207,6 +310,11 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         recipe.advantage.resolve()
     except ValueError as e:
         raise KitchenError([doc.problem(("advantage",), str(e))]) from None
+    for arm in recipe.compare:
+        try:
+            recipe.variant(arm).advantage.resolve()
+        except (ValueError, KitchenError) as e:
+            raise KitchenError([doc.problem(("compare", arm), str(e))]) from None
     return recipe
 
 
@@ -222,128 +330,90 @@ def _home(path: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Step samples
+# Rewards and step samples
 
 
-def step_rows(
+@dataclass
+class EpisodeRewards:
+    """One episode's rewards from its review (docs/method.md#rewards), per turn and in all."""
+
+    local: list[float]  # [T] local reward of each assistant turn (0 where not valid)
+    valid: list[bool]  # [T] the turn carries a local signal
+    contributions: list[dict[str, float]]  # [T] clause id → its share of local[t]
+    outcome: float  # R, the global reward
+
+
+def episode_rewards(
     trajs: Sequence[Trajectory],
     reviews: Sequence[Review],
     pcs: Sequence[PersonalConstitution],
-    cfg: AdvantageConfig,
     reward: RewardConfig,
-    group_of: Callable[[int], str],
-) -> dict[str, Any]:
-    """Flatten trajectories into step samples with their rewards and returns.
+) -> list[EpisodeRewards]:
+    """Each episode's local rewards per turn and its global reward, as `reward` defines them."""
+    out = []
+    for t, r, pc in zip(trajs, reviews, pcs, strict=True):
+        local, valid, contrib = turn_rewards(r, pc, reward.local_mode, reward.flagged)
+        outcome = global_reward(t.outcome.success if t.outcome else 0, r, reward.global_blend)
+        local = [x if v else 0.0 for x, v in zip(local, valid, strict=True)]
+        out.append(EpisodeRewards(local, valid, contrib, outcome))
+    return out
 
-    Returns columns (lists, one entry per trainable turn): traj index, turn, exact and abstract
-    keys, task group, tokens, log-probs, local reward, validity, step return, global reward.
-    """
-    rows: dict[str, list] = {
-        k: []
-        for k in (
-            "i",
-            "turn",
-            "state",
-            "abstract",
-            "task_group",
-            "traj",
-            "tokens",
-            "logp",
-            "local",
-            "valid",
-            "ret",
-            "global",
-        )
-    }
-    for i, (t, r, pc) in enumerate(zip(trajs, reviews, pcs, strict=True)):
-        local, valid, _ = turn_rewards(r, pc, reward.local_mode, reward.flagged)
-        g = global_reward(t.outcome.success if t.outcome else 0, r, reward.global_blend)
-        n = len(t.turns)
-        if n == 0:
+
+def trainable(traj: Trajectory) -> list:
+    """The turns of `traj` a policy update trains on: sampled, complete and not guarded."""
+    return [ti for ti in traj.turns if ti.tokens and not (ti.truncated or ti.guarded)]
+
+
+def step_samples(
+    trajs: Sequence[Trajectory],
+    rewards: Sequence[EpisodeRewards],
+    config: AdvantageConfig,
+    group_of: Callable[[int], Hashable],
+    version: int = 0,
+) -> StepSamples:
+    """The step samples of a batch of episodes: one per trainable turn, in episode order.
+
+    A turn's step return is `returns_for(config)` over *all* turns of its episode (an
+    untrainable turn still passes its reward back); `group_of(i)` is episode i's task group."""
+    cols: dict[str, list] = {k: [] for k in ("state", "abstract", "group", "traj", "turn")}
+    tokens, logp, local, ret, outcome, valid = [], [], [], [], [], []
+    for i, (t, rw) in enumerate(zip(trajs, rewards, strict=True)):
+        if not t.turns:
             continue
-        local_t = torch.tensor([x if v else 0.0 for x, v in zip(local, valid, strict=True)])
-        ret = returns_for(cfg, local_t[None, :], torch.tensor([g]))[0]  # [n]
-        for ti in t.turns:
-            if ti.tokens is None or ti.truncated or ti.guarded or not ti.tokens:
-                continue
-            rows["i"].append(i)
-            rows["turn"].append(ti.turn)
-            rows["state"].append(ti.exact_key)
-            rows["abstract"].append(ti.abstract_key)
-            rows["task_group"].append(group_of(i))
-            rows["traj"].append(t.id)
-            rows["tokens"].append(ti.tokens)
-            rows["logp"].append(ti.logprobs)
-            rows["local"].append(float(local_t[ti.turn]))
-            rows["valid"].append(bool(valid[ti.turn]))
-            rows["ret"].append(float(ret[ti.turn]))
-            rows["global"].append(float(g))
-    return rows
-
-
-def sequences(
-    tok: Any, prompts: Sequence[str], actions: Sequence[Sequence[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+action ids [B, T], attention mask [B, T], and the action-token mask
-    aligned with `token_logprobs`' output [B, T-1] (position t scores token t+1)."""
-    ids, act = [], []
-    for p, a in zip(prompts, actions, strict=True):
-        pid = tok(p, add_special_tokens=False)["input_ids"]
-        ids.append(pid + list(a))
-        act.append([0] * (len(pid) - 1) + [1] * len(a))
-    width = max(map(len, ids))
-    pad = tok.pad_token_id
-    input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids], device=device)
-    attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids], device=device)
-    action = torch.tensor([x + [0] * (width - 1 - len(x)) for x in act], device=device)
-    return input_ids, attn, action.bool()
-
-
-def gather_actions(values: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack the action positions of `values` [B, T-1] to the left: ([B, L], mask [B, L])."""
-    lengths = action.sum(-1)
-    width = int(lengths.max()) if lengths.numel() else 0
-    order = torch.argsort((~action).int(), dim=-1, stable=True)[:, :width]  # action positions first
-    packed = values.gather(-1, order)
-    mask = torch.arange(width, device=values.device)[None, :] < lengths[:, None]
-    return packed * mask, mask
-
-
-def buffered_advantages(
-    buffer: ReplayBuffer, rows: dict[str, Any], cfg: AdvantageConfig, version: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Step rows (as `step_rows` makes them) → the replay buffer → MAPO advantages.
-
-    The rows are stored at policy version `version`; with `cfg.use_buffer`, every live record
-    sharing a state key with one of them joins the statistics (the seeds' "fetch by state").
-    Returns (rows [R] with the newly stored ones first, fresh [R], advantages [R], metrics); α's
-    schedule counts versions (iterations). `buffer.last_kept` tells which input rows were stored.
-    """
-    new = buffer.add(
-        state=rows["state"],
-        abstract=rows["abstract"],
-        tokens=rows["tokens"],
-        logp=rows["logp"],
-        local_reward=rows["local"],
-        ret=rows["ret"],
-        global_reward=rows["global"],
-        task_group=rows["task_group"],
-        traj=rows["traj"],
-        turn=rows["turn"],
+        g = returns_for(config, torch.tensor([rw.local]), torch.tensor([rw.outcome]))[0]  # [T]
+        for ti in trainable(t):
+            cols["state"].append(ti.exact_key)
+            cols["abstract"].append(ti.abstract_key)
+            cols["group"].append(group_of(i))
+            cols["traj"].append(t.id)
+            cols["turn"].append(ti.turn)
+            tokens.append(ti.tokens)
+            logp.append(ti.logprobs)
+            local.append(rw.local[ti.turn])
+            valid.append(rw.valid[ti.turn])
+            ret.append(float(g[ti.turn]))
+            outcome.append(rw.outcome)
+    flat_tokens, tok_len = ragged(tokens, torch.long)
+    flat_logp, _ = ragged(logp, torch.float32)
+    return StepSamples(
+        state=cols["state"],
+        abstract=cols["abstract"],
+        task_group=cols["group"],
+        traj=cols["traj"],
+        turn=cols["turn"],
+        tokens=flat_tokens,
+        logp=flat_logp,
+        tok_len=tok_len,
+        local_reward=local,
+        ret=ret,
+        global_reward=outcome,
+        valid=valid,
         version=version,
-        valid=rows["valid"],
     )
-    if cfg.use_buffer:
-        all_rows, fresh = buffer.with_history(
-            new, by=cfg.state_key, whole_task_groups=cfg.replay_in_gradient
-        )
-    else:
-        all_rows, fresh = new, torch.ones(new.numel(), dtype=torch.bool)
-    adv, metrics = advantages(
-        buffer.batch(all_rows, by=cfg.state_key, fresh=fresh), cfg, step=version
-    )
-    buffer.set_priority(all_rows, adv)
-    return all_rows, fresh, adv, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring step samples: packed sequences
 
 
 Unit = tuple[list[int], list[tuple[int, int, int]]]  # token ids, [(sample, start, length)]
@@ -440,14 +510,67 @@ def spans_of(
 # The run
 
 
+@dataclass
+class Iteration:
+    """What one iteration produced, in the order `Run.step` makes it."""
+
+    it: int
+    trajs: list[Trajectory]
+    pcs: list[PersonalConstitution]
+    rollout: RolloutStats
+    reviews: list[Review]  # the training reviewer's (GRM, or the judge)
+    judged: list[Review]  # the rule judge's, for metrics
+    review_seconds: float
+    rewards: list[EpisodeRewards]
+    samples: StepSamples
+    scored: Scored | None  # None when no turn could be trained on
+    update: dict[str, float]
+
+
+def iteration_metrics(x: Iteration, buffer: ReplayBuffer, grm: bool) -> dict[str, Any]:
+    """The metrics row of one iteration (names explained in docs/metrics.md)."""
+    outcomes = [rw.outcome for rw in x.rewards]
+    success = [t.outcome.success if t.outcome else 0 for t in x.trajs]
+    valid = x.samples.valid
+    local = x.samples.local_reward[valid].tolist()
+    m: dict[str, Any] = {
+        "iteration": x.it,
+        "speed/rollout_tokens_per_s": x.rollout.tokens_per_second,
+        "rollout/truncated_frac": x.rollout.truncated / max(x.rollout.turns, 1),
+        "rollout/turns_mean": x.rollout.turns / max(len(x.trajs), 1),
+    }
+    if grm:
+        m["grm/parsed"] = statistics.fmean(r.parsed_fraction for r in x.reviews)
+        m["grm/flagged_frac"] = statistics.fmean(bool(r.flags) for r in x.reviews)
+        m["reward/gap_grm_minus_judge"] = reward_gap(x.reviews, x.judged, x.pcs)
+    m["speed/reviews_per_s"] = len(x.trajs) / x.review_seconds if x.review_seconds else 0.0
+    m |= {
+        "reward/global_mean": statistics.fmean(outcomes),
+        "reward/global_var": statistics.pvariance(outcomes),
+        "reward/local_mean": statistics.fmean(local) if local else 0.0,
+        "reward/local_var": statistics.pvariance(local) if local else 0.0,
+        "reward/local_valid_frac": valid.float().mean().item() if len(valid) else 0.0,
+        "episode/success": statistics.fmean(success),
+        "episode/turns": statistics.fmean(len(t.turns) for t in x.trajs),
+    }
+    m |= {f"clause/{c}_pass_rate": v for c, v in clause_pass_rates(x.reviews).items()}
+    m |= {f"judge/{c}_pass_rate": v for c, v in clause_pass_rates(x.judged).items()}
+    judged = policy_report(x.trajs, x.pcs, x.judged)
+    m["judge/compliance"] = judged.compliance
+    m["judge/axiom_violations"] = judged.axiom_violations
+    if x.scored is not None:
+        m |= x.update | x.scored.metrics
+    m["buffer/size"] = len(buffer)
+    m |= {f"buffer/evicted_{k}": v for k, v in buffer.evicted.items()}
+    return m
+
+
 class Run:
     """One training run: state, one iteration at a time, checkpoints."""
 
     def __init__(
         self, recipe: Recipe, folder: str | os.PathLike | None = None, *, progress: bool = True
     ):
-        from kitchen.models import load_model
-
         self.recipe = recipe
         self.folder = Path(folder) if folder else paths.RUNS / recipe.name
         self.progress = progress
@@ -461,26 +584,25 @@ class Run:
         torch.manual_seed(recipe.seed)
         self.model, self.tok = load_model(spec)
         self.adapter = spec.lora.name
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.grm = self._load_grm() if recipe.reward.reviewer == "grm" else None
+        params = [p for p in self.model.parameters() if p.requires_grad]  # the policy adapter
         self.opt = torch.optim.AdamW(
             params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay
         )
         self.buffer = ReplayBuffer(recipe.buffer)
-        self.grm = self._load_grm() if recipe.reward.reviewer == "grm" else None
         self.iteration = 0
         self.updates = 0
         self.first_entropy: float | None = None
         self.metrics: list[dict[str, Any]] = []
         self.trajs: dict[str, tuple[Trajectory, PersonalConstitution]] = {}
-        self.pool = self._task_pool()
+        self.pool = pair_jobs(
+            "train", recipe.train.task_pool, recipe.seed, self.constitution, cache=self.cache
+        )
         # the last iteration's episodes, reviews and per-turn advantages (notebooks browse them)
         self.last: dict[str, Any] = {}
 
-    def _load_grm(self) -> Any:
+    def _load_grm(self) -> GRM:
         """The GRM: its own checkpoint, or (on one GPU) a second adapter on the policy's base."""
-        from kitchen.grm import GRM
-        from kitchen.models import add_adapter, load_adapter
-
         cfg = self.recipe.grm.model_copy(update={"model": _home(self.recipe.grm.model)})
         if not cfg.adapter:
             return GRM.load(cfg)
@@ -489,27 +611,8 @@ class Run:
             self.model = load_adapter(self.model, folder, cfg.adapter, trainable=False)
         else:  # no trained GRM adapter given: a fresh one (for sizing and speed runs only)
             self.model = add_adapter(self.model, cfg.adapter)
-        from kitchen.models import use_adapter
-
         use_adapter(self.model, self.adapter)  # the policy stays the trained adapter
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(
-            params, lr=self.recipe.train.lr, weight_decay=self.recipe.train.weight_decay
-        )
         return GRM(self.model, self.tok, cfg)
-
-    # -- data -------------------------------------------------------------------------------
-
-    def _task_pool(self) -> list[Job]:
-        from kitchen.jobs import pair_jobs
-
-        return pair_jobs(
-            "train",
-            self.recipe.train.task_pool,
-            self.recipe.seed,
-            self.constitution,
-            cache=self.cache,
-        )
 
     def _jobs(self, it: int) -> list[Job]:
         """The jobs of iteration `it`: a seeded draw from the task pool."""
@@ -519,12 +622,12 @@ class Run:
     # -- one iteration ----------------------------------------------------------------------
 
     def step(self) -> dict[str, Any]:
-        """Run one iteration; returns its metrics row."""
-        r, it = self.recipe, self.iteration
+        """Run one iteration of the algorithm (module docstring); returns its metrics row."""
+        r, it, k = self.recipe, self.iteration, self.recipe.rollout.k
         torch.manual_seed(r.seed * 100_003 + it)  # dropout, minibatch order: replayable
-        m: dict[str, Any] = {"iteration": it}
         jobs = self._jobs(it)
-        trajs, rstats = rollout(
+        pcs = [pc for _, pc, _ in jobs for _ in range(k)]
+        trajs, stats = rollout(
             self.model,
             self.tok,
             jobs,
@@ -533,105 +636,63 @@ class Run:
             menu=self.menu,
             group_prefix=f"it{it}:",
         )
-        pcs = [pc for _, pc, _ in jobs for _ in range(r.rollout.k)]
-        m |= {
-            "speed/rollout_tokens_per_s": rstats.tokens_per_second,
-            "rollout/truncated_frac": rstats.truncated / max(rstats.turns, 1),
-            "rollout/turns_mean": rstats.turns / max(len(trajs), 1),
-        }
-
         t0 = time.perf_counter()
         judged = [judge(t, pc, self.menu) for t, pc in zip(trajs, pcs, strict=True)]
-        if self.grm is not None:
-            reviews = self.grm.review(trajs, pcs)
-            m["grm/parsed"] = statistics.fmean(x.parsed_fraction for x in reviews)
-            m["grm/flagged_frac"] = statistics.fmean(bool(x.flags) for x in reviews)
-            m["reward/gap_grm_minus_judge"] = reward_gap(reviews, judged, pcs)
-        else:
-            reviews = judged
-        review_s = time.perf_counter() - t0
-        m["speed/reviews_per_s"] = len(trajs) / review_s if review_s else 0.0
-
-        rows = step_rows(
-            trajs, reviews, pcs, self.adv_cfg, r.reward, lambda i: f"it{it}:job{i // r.rollout.k}"
+        reviews = judged if self.grm is None else self.grm.review(trajs, pcs)
+        review_seconds = time.perf_counter() - t0
+        rewards = episode_rewards(trajs, reviews, pcs, r.reward)
+        samples = step_samples(
+            trajs, rewards, self.adv_cfg, lambda i: f"it{it}:job{i // k}", version=it
         )
-        success = [t.outcome.success if t.outcome else 0 for t in trajs]
-        globals_ = [
-            global_reward(s, x, r.reward.global_blend)
-            for s, x in zip(success, reviews, strict=True)
-        ]
-        local_valid = [x for x, v in zip(rows["local"], rows["valid"], strict=True) if v]
-        m |= {
-            "reward/global_mean": statistics.fmean(globals_),
-            "reward/global_var": statistics.pvariance(globals_),
-            "reward/local_mean": statistics.fmean(local_valid) if local_valid else 0.0,
-            "reward/local_var": statistics.pvariance(local_valid) if local_valid else 0.0,
-            "reward/local_valid_frac": statistics.fmean(rows["valid"]) if rows["valid"] else 0.0,
-            "episode/success": statistics.fmean(success),
-            "episode/turns": statistics.fmean(len(t.turns) for t in trajs),
-        }
-        m |= {f"clause/{c}_pass_rate": v for c, v in clause_pass_rates(reviews).items()}
-        m |= {f"judge/{c}_pass_rate": v for c, v in clause_pass_rates(judged).items()}
-        judge_report = policy_report(trajs, pcs, judged)
-        m["judge/compliance"] = judge_report.compliance
-        m["judge/axiom_violations"] = judge_report.axiom_violations
+        scored, update = None, {}
+        if len(samples):
+            scored = advantages_for(samples, self.adv_cfg, self.buffer, step=it)
+            self.trajs |= {t.id: (t, pc) for t, pc in zip(trajs, pcs, strict=True)}
+            update = self._update(scored)
+        self.buffer.advance(it + 1)
 
+        x = Iteration(
+            it, trajs, pcs, stats, reviews, judged, review_seconds, rewards, samples, scored, update
+        )
+        m = iteration_metrics(x, self.buffer, grm=self.grm is not None)
         self.last = {
             "trajectories": trajs,
             "reviews": reviews,
             "judged": judged,
             "pcs": pcs,
-            "advantages": {},
-        }
-        if rows["i"]:
-            m |= self._update(rows, trajs, pcs, it)
-        self.buffer.advance(it + 1)
-        m |= {"buffer/size": len(self.buffer)} | {
-            f"buffer/evicted_{k}": v for k, v in self.buffer.evicted.items()
+            "rewards": rewards,
+            "advantages": {}
+            if scored is None
+            else {
+                (key, turn): a
+                for key, turn, a in zip(
+                    samples.traj,
+                    samples.turn.tolist(),
+                    scored.adv[: scored.n_fresh].tolist(),
+                    strict=True,
+                )
+            },
         }
         if r.samples_per_iteration:
-            self._log_samples(trajs, reviews, pcs, it)
+            self._log_samples(x)
         self.iteration += 1
         self.metrics.append(m)
         return m
 
-    def _update(
-        self,
-        rows: dict[str, Any],
-        trajs: Sequence[Trajectory],
-        pcs: Sequence[PersonalConstitution],
-        it: int,
-    ) -> dict[str, Any]:
-        from kitchen.models import adapters_disabled, token_logprobs
-
-        r, cfg = self.recipe, self.adv_cfg
-        for i, t in enumerate(trajs):
-            self.trajs[t.id] = (t, pcs[i])
-        all_rows, fresh, adv, metrics = buffered_advantages(self.buffer, rows, cfg, it)
-        grad_rows = all_rows[fresh | torch.tensor(cfg.replay_in_gradient)]
-        grad_adv = adv[fresh | torch.tensor(cfg.replay_in_gradient)]
-        fresh_keys = self.buffer.keys_of(all_rows[fresh], "traj")
-        fresh_turns = self.buffer.column("turn", all_rows[fresh]).tolist()
-        self.last["advantages"] = {
-            (k, t): float(a)
-            for k, t, a in zip(fresh_keys, fresh_turns, adv[fresh].tolist(), strict=True)
-        }
-
-        keys = self.buffer.keys_of(grad_rows, "traj")
-        turns = self.buffer.column("turn", grad_rows).tolist()
-        actions, _ = self.buffer.padded(grad_rows, "tokens")
-        lengths = self.buffer.column("tok_len", grad_rows).tolist()
-        actions = [a[:n].tolist() for a, n in zip(actions, lengths, strict=True)]
-        old, _ = self.buffer.padded(grad_rows, "logp")
+    def _update(self, scored: Scored) -> dict[str, float]:
+        """REINFORCE + KL on the scored step samples (`mapo_loss`), `train.epochs` passes of
+        minibatches; each trajectory's turns are scored in one packed sequence."""
+        r, cfg, s = self.recipe, self.adv_cfg, scored.samples
+        old, _ = s.padded("logp")  # [G, T] log-probs at collection, for importance weights
+        replay = cfg.replay_in_gradient
         items = [
             (key, turn, render_prompt(self.tok, self.trajs[key][0].prompt_messages(turn)), a)
-            for key, turn, a in zip(keys, turns, actions, strict=True)
+            for key, turn, a in zip(s.traj, s.turn.tolist(), s.actions(), strict=True)
         ]
         units = pack_units(self.tok, items)
 
         self.model.train()
         dev = self.model.device
-        n = len(items)
         tokens_seen = 0
         t0 = time.perf_counter()
         stats: dict[str, list[float]] = {}
@@ -647,14 +708,13 @@ class Run:
                         ref_all, _ = token_logprobs(self.model, ids, attn, positions=at)
                     _, ref, _ = spans_of(ref_all, chunk)
                 _, ent, _ = spans_of(ent_all, chunk)
-                old_mb = old[idx][:, : logp.shape[1]].to(dev)
                 loss, lm = mapo_loss(
                     logp,
-                    grad_adv[idx].to(dev),
+                    scored.adv[idx].to(dev),
                     mask.float(),
                     ref_logp=ref,
-                    old_logp=old_mb if cfg.replay_in_gradient else None,
-                    is_cap=cfg.is_cap if cfg.replay_in_gradient else None,
+                    old_logp=old[idx][:, : logp.shape[1]].to(dev) if replay else None,
+                    is_cap=cfg.is_cap if replay else None,
                     **cfg.loss_kwargs(),
                 )
                 self.opt.zero_grad(set_to_none=True)
@@ -671,42 +731,31 @@ class Run:
                     lm["kl/mean"] = float(
                         ((logp.detach() - ref) * mask).sum() / mask.sum().clamp(min=1)
                     )
-                for k, v in lm.items():
-                    stats.setdefault(k, []).append(v)
-        out = {k: statistics.fmean(v) for k, v in stats.items()} | metrics
+                for key, v in lm.items():
+                    stats.setdefault(key, []).append(v)
+        out = {key: statistics.fmean(v) for key, v in stats.items()}
         out["speed/update_tokens_per_s"] = tokens_seen / max(time.perf_counter() - t0, 1e-9)
-        out["train/step_samples"] = n
+        out["train/step_samples"] = len(items)
         ent = out.get("policy/entropy", 0.0)
         if self.first_entropy is None:
             self.first_entropy = ent
-        out["alarm/entropy_collapse"] = float(
-            ent < self.recipe.train.entropy_alarm * self.first_entropy
-        )
+        out["alarm/entropy_collapse"] = float(ent < r.train.entropy_alarm * self.first_entropy)
         return out
 
-    def _log_samples(
-        self,
-        trajs: Sequence[Trajectory],
-        reviews: Sequence[Review],
-        pcs: Sequence[PersonalConstitution],
-        it: int,
-    ) -> None:
-        rng = random.Random(f"samples:{self.recipe.seed}:{it}")
-        picks = rng.sample(range(len(trajs)), min(self.recipe.samples_per_iteration, len(trajs)))
-        rows = []
-        for i in picks:
-            rw = self.recipe.reward
-            local, valid, contrib = turn_rewards(reviews[i], pcs[i], rw.local_mode, rw.flagged)
-            rows.append(
-                {
-                    "iteration": it,
-                    "trajectory": trajs[i].model_dump(mode="json"),
-                    "review": reviews[i].model_dump(mode="json"),
-                    "local": local,
-                    "valid": valid,
-                    "contributions": contrib,
-                }
-            )
+    def _log_samples(self, x: Iteration) -> None:
+        rng = random.Random(f"samples:{self.recipe.seed}:{x.it}")
+        n = min(self.recipe.samples_per_iteration, len(x.trajs))
+        rows = [
+            {
+                "iteration": x.it,
+                "trajectory": x.trajs[i].model_dump(mode="json"),
+                "review": x.reviews[i].model_dump(mode="json"),
+                "local": x.rewards[i].local,
+                "valid": x.rewards[i].valid,
+                "contributions": x.rewards[i].contributions,
+            }
+            for i in rng.sample(range(len(x.trajs)), n)
+        ]
         write_jsonl(self.folder / "samples.jsonl", rows, append=True)
 
     # -- evaluation -------------------------------------------------------------------------
@@ -728,9 +777,7 @@ class Run:
     # -- persistence ------------------------------------------------------------------------
 
     def write_metrics(self) -> None:
-        import io
-
-        import polars as pl
+        import polars as pl  # the loop itself runs without the notebook stack
 
         frame = pl.DataFrame(self.metrics, infer_schema_length=None)
         buf = io.BytesIO()
@@ -739,10 +786,6 @@ class Run:
 
     def save(self) -> Path:
         """Write a complete checkpoint atomically and point `latest` at it."""
-        import io
-
-        from kitchen.models import save_adapter
-
         ck = self.folder / "checkpoints"
         name = f"it-{self.iteration:04d}"
         tmp = ck / f".{name}.tmp"
@@ -803,8 +846,6 @@ def load_run_policy(folder: str | os.PathLike) -> tuple[Any, Any]:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from kitchen.models import load_model
-
     folder = Path(folder)
     ck = latest_checkpoint(folder)
     if ck is None:
@@ -821,8 +862,6 @@ def load_run_policy(folder: str | os.PathLike) -> tuple[Any, Any]:
 def held_out_report(model: Any, tok: Any, recipe: Recipe, constitution: Any = None) -> Any:
     """`recipe.eval`'s held-out jobs played by `model` (the recipe's rollout settings, k =
     `eval.samples`), judged by rules: the evaluation `kitchen cook` logs every `eval_every`."""
-    from kitchen.evaluate import eval_jobs
-
     cfg = recipe.eval
     jobs = eval_jobs(cfg, constitution)
     rcfg = recipe.rollout.model_copy(update={"k": cfg.samples})
@@ -919,8 +958,6 @@ def cook(
 
 def _truncate_log(path: Path, iteration: int, inclusive: bool = False) -> None:
     """Drop rows written after the checkpoint we resumed from."""
-    from kitchen.files import read_jsonl
-
     if not path.exists():
         return
     keep = [

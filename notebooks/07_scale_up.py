@@ -334,15 +334,19 @@ def _(mo):
 def _(pl, trainer):
     if trainer:
         _h = trainer.history[-1]
+        _row = {_t.id: _i for _i, _t in enumerate(_h["trajectories"])}
+        _samples = _h["samples"]  # the step samples of this batch: one per trained turn
         advantage_frame = pl.DataFrame(
             [
                 {
-                    "episode": f"ep{i}",
+                    "episode": f"ep{_row[key]}",
                     "turn": turn,
-                    "mapo": float(_h["token_advantages"][i, _h["tokens"][i].spans[turn][0]]),
-                    "grpo": float(_h["trl_advantages"][i]),
+                    "mapo": float(a),
+                    "grpo": float(_h["trl_advantages"][_row[key]]),
                 }
-                for i, turn in zip(_h["rows"]["i"], _h["rows"]["turn"], strict=True)
+                for key, turn, a in zip(
+                    _samples.traj, _samples.turn.tolist(), _h["advantages"].tolist(), strict=True
+                )
             ]
         )
     else:

@@ -24,7 +24,7 @@ from kitchen.integrations.trl import (
 )
 from kitchen.mapo import advantages
 from kitchen.rollout import RolloutConfig, render_prompt, rollout
-from kitchen.train import Recipe, RewardConfig, step_rows
+from kitchen.train import Recipe, RewardConfig, episode_rewards, step_samples
 
 K = 4
 
@@ -53,6 +53,18 @@ def recipe(preset: str = "mapo", **over) -> Recipe:
 def policy():
     torch.manual_seed(0)
     return demo_policy()
+
+
+def oracle_advantages(buf: ReplayBuffer, samples, cfg, step: int) -> torch.Tensor:
+    """The independent oracle: kitchen's path from step samples to advantages spelled out with
+    the buffer's primitives — store, look up the state groups' history, `mapo.advantages` —
+    rather than through `kitchen.steps.advantages_for`. Returns the fresh samples' advantages."""
+    if not cfg.use_buffer:
+        return advantages(samples.batch(cfg.state_key), cfg, step=step)[0]
+    kept = buf.add(samples)
+    history = buf.history(samples, by=cfg.state_key, exclude=kept)
+    adv, _ = advantages(buf.batch(samples, history, by=cfg.state_key), cfg, step=step)
+    return adv[: len(samples)]
 
 
 def train(tmp_path, r: Recipe):
@@ -119,8 +131,8 @@ def test_grm_reward_has_trls_signature_and_logs_clauses(policy):
 
 def test_two_trl_steps_move_the_weights_with_kitchens_advantages(tmp_path):
     """Two GRPOTrainer steps on CPU: the adapter moved, and every turn's tokens carry exactly
-    the advantage kitchen computes from the same episodes and reviews (step rows → replay
-    buffer → `mapo.advantages`), history from the first step included."""
+    the advantage kitchen computes from the same episodes and reviews (the oracle: step samples →
+    replay buffer → `mapo.advantages`), history from the first step included."""
     r = recipe("mapo")
     trainer, moved = train(tmp_path, r)
     assert trainer.state.global_step == 2 and moved > 0
@@ -129,36 +141,22 @@ def test_two_trl_steps_move_the_weights_with_kitchens_advantages(tmp_path):
     nonzero = 0
     for version, h in enumerate(trainer.history):
         trajs, pcs, groups = h["trajectories"], h["pcs"], h["groups"]
-        rows = step_rows(trajs, h["reviews"], pcs, cfg, r.reward, lambda i, g=groups: g[i])
-        fresh_rows = buf.add(
-            state=rows["state"],
-            abstract=rows["abstract"],
-            tokens=rows["tokens"],
-            logp=rows["logp"],
-            local_reward=rows["local"],
-            ret=rows["ret"],
-            global_reward=rows["global"],
-            task_group=rows["task_group"],
-            traj=rows["traj"],
-            turn=rows["turn"],
-            version=version,
-            valid=rows["valid"],
+        rewards = episode_rewards(trajs, h["reviews"], pcs, r.reward)
+        samples = step_samples(trajs, rewards, cfg, lambda i, g=groups: g[i], version=version)
+        assert (
+            samples.traj == h["samples"].traj
+            and samples.turn.tolist() == h["samples"].turn.tolist()
         )
-        kept = buf.last_kept
-        all_rows, fresh = buf.with_history(fresh_rows, by=cfg.state_key)
-        want, _ = advantages(
-            buf.batch(all_rows, by=cfg.state_key, fresh=fresh), cfg, step=h["step"]
-        )
+        if version == 1:  # the second step's state groups include buffered history
+            assert buf.history(samples, by=cfg.state_key).numel() > 0
+        want = oracle_advantages(buf, samples, cfg, h["step"])
         buf.advance(version + 1)
-        if version == 1:
-            assert (~fresh).any()  # the second step's state groups include buffered history
-        token_adv, n = h["token_advantages"], 0
-        for j, (i, turn) in enumerate(zip(rows["i"], rows["turn"], strict=True)):
-            s, e = h["tokens"][i].spans[turn]
-            expect = want[n].item() if kept[j] else 0.0
-            n += int(kept[j])
-            torch.testing.assert_close(token_adv[i, s:e], torch.full((e - s,), expect))
-            nonzero += abs(expect) > 0
+        token_adv = h["token_advantages"]
+        row = {t.id: i for i, t in enumerate(trajs)}
+        for j, (key, turn) in enumerate(zip(samples.traj, samples.turn.tolist(), strict=True)):
+            s, e = h["tokens"][row[key]].spans[turn]
+            torch.testing.assert_close(token_adv[row[key], s:e], want[j].expand(e - s))
+            nonzero += abs(want[j].item()) > 0
         trained = torch.zeros_like(token_adv, dtype=torch.bool)
         for i, tk in enumerate(h["tokens"]):
             for s, e in tk.spans.values():
@@ -180,7 +178,9 @@ def test_grpo_preset_reproduces_trls_own_advantage(tmp_path):
     h = trainer.history[-1]
     trl_adv = h["trl_advantages"]
     assert trl_adv.abs().sum() > 0
-    for i, turn in zip(h["rows"]["i"], h["rows"]["turn"], strict=True):  # the trained turns
+    row = {t.id: i for i, t in enumerate(h["trajectories"])}
+    for key, turn in zip(h["samples"].traj, h["samples"].turn.tolist(), strict=True):
+        i = row[key]
         s, e = h["tokens"][i].spans[turn]
         torch.testing.assert_close(
             h["token_advantages"][i, s:e], trl_adv[i].expand(e - s), atol=1e-5, rtol=1e-5
@@ -228,8 +228,8 @@ t = build_trainer(tr)
 t.train()
 h = t.history[-1]
 out = {"type": str(t.accelerator.distributed_type), "procs": t.accelerator.num_processes,
-       "buffer": len(t.kitchen_buffer), "local_rows": len(h["rows"]["i"]),
-       "all_rows": len(h["row_advantages"]), "adv": h["row_advantages"].tolist()}
+       "buffer": len(t.kitchen_buffer), "local_rows": len(h["samples"]),
+       "all_rows": len(h["all_advantages"]), "adv": h["all_advantages"].tolist()}
 json.dump(out, open(f"{sys.argv[1]}/rank{t.accelerator.process_index}.json", "w"))
 """
 

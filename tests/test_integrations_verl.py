@@ -1,5 +1,8 @@
 """verl integration: the registered `mapo` estimator gives kitchen's advantages on the same batch.
 
+Run in their own environment (`make test-verl`, part of `make test`): verl 0.9 needs an older
+transformers than the kit's main environment.
+
 Skipped where verl is not installed (it is an optional extra, `kitchen[verl]`). The agent-loop
 test also needs verl's rollout extras (cachetools, TransferQueue, uvicorn) and skips without them.
 """
@@ -25,7 +28,7 @@ from kitchen.judge import judge  # noqa: E402
 from kitchen.mapo import StepBatch, advantages, encode  # noqa: E402
 from kitchen.models import ModelSpec, load_model  # noqa: E402
 from kitchen.rollout import RolloutConfig, rollout  # noqa: E402
-from kitchen.train import RewardConfig, step_rows  # noqa: E402
+from kitchen.train import RewardConfig, episode_rewards, step_samples  # noqa: E402
 
 POLICY = paths.DATA / "models" / "policy-tiny"
 K = 4
@@ -58,13 +61,21 @@ def verl_batch(ep, reward: RewardConfig):
     return mask, rewards, scored
 
 
-def algo(preset: str, **overrides):
+def algo(preset: str, buffer: dict | None = None, **overrides):
+    kitchen = {"advantage": {"preset": preset, "overrides": overrides}}
     return OmegaConf.create(
-        {
-            "adv_estimator": "mapo",
-            "kitchen": {"advantage": {"preset": preset, "overrides": overrides}},
-        }
+        {"adv_estimator": "mapo", "kitchen": kitchen | ({"buffer": buffer} if buffer else {})}
     )
+
+
+def oracle_advantages(buf: ReplayBuffer, samples, cfg, step: int) -> torch.Tensor:
+    """The independent oracle: kitchen's path from step samples to advantages spelled out with
+    the buffer's primitives (store, the state groups' history, `mapo.advantages`) rather than
+    through `kitchen.steps.advantages_for`. Returns the fresh samples' advantages."""
+    kept = buf.add(samples)
+    history = buf.history(samples, by=cfg.state_key, exclude=kept)
+    adv, _ = advantages(buf.batch(samples, history, by=cfg.state_key), cfg, step=step)
+    return adv[: len(samples)]
 
 
 def test_everything_registers_through_verls_registries():
@@ -73,7 +84,7 @@ def test_everything_registers_through_verls_registries():
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
     names = kv.register()
-    assert get_adv_estimator_fn("mapo") is kv.compute_mapo_advantage
+    assert isinstance(get_adv_estimator_fn("mapo"), kv.MAPOEstimator)
     assert get_reward_manager_cls("kitchen_grm").__name__ == "KitchenRewardManager"
     assert {"mapo", "kitchen_grm"} <= set(names)
     assert kv.register() == names  # idempotent
@@ -91,13 +102,15 @@ def test_turn_reward_layout_round_trips():
         kv.layout([[0.0]], [1.0], torch.tensor([[0, 1]]), last=[1])
 
 
-def test_estimator_equals_kitchen_on_the_layout_alone(episodes):
+def test_estimator_equals_kitchen_on_the_layout_alone(episodes, monkeypatch):
     """Through verl's public `compute_advantage`, with only rewards, mask and uids (no state keys):
     kitchen's `mapo.advantages` on the same rows, state groups = turn groups."""
     from verl import DataProto
+    from verl.trainer.ppo import core_algos
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
-    kv.reset_state()
+    kv.register()
+    monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "mapo", kv.MAPOEstimator())
     reward = RewardConfig(reviewer="judge", global_blend=0.5)
     mask, rewards, _ = verl_batch(episodes, reward)
     data = DataProto.from_dict(
@@ -130,8 +143,9 @@ def test_estimator_equals_kitchen_on_the_layout_alone(episodes):
 
 def test_estimator_with_state_keys_equals_kitchens_own_loop(episodes):
     """With the fields `KitchenSyncTrainer` hands over (state keys, validity, turn index), the
-    estimator reproduces what `kitchen cook` computes: step rows → replay buffer → advantages."""
-    kv.reset_state()
+    estimator reproduces what `kitchen cook` computes — the oracle: step samples → replay buffer
+    → advantages — over two calls, so the second one's state groups hold the first one's history
+    and α's schedule moves."""
     reward = RewardConfig(reviewer="judge", global_blend=0.5)
     mask, rewards, scored = verl_batch(episodes, reward)
     rm_scores = kv.layout(
@@ -142,43 +156,33 @@ def test_estimator_with_state_keys_equals_kitchens_own_loop(episodes):
     )  # verl: R only
     relaid, fields = kv.relayout(rm_scores, mask, [{"reward_extra_info": x} for _, x in scored])
     torch.testing.assert_close(kv.read_layout(relaid, mask)[1], kv.read_layout(rewards, mask)[1])
-    cfg = algo("mapo", alpha={"kind": "constant", "alpha0": 0.5})
-    got, _ = kv.compute_mapo_advantage(
-        relaid, mask, np.array(episodes["uids"]), cfg, non_tensor_batch=fields
-    )
+    # no de-duplication: the second call replays the same episodes, which would replace them all
+    alpha = {"kind": "linear", "alpha0": 0.2, "alpha1": 0.6, "steps": 2}
+    cfg = algo("mapo", buffer={"max_age": 8, "dedup": False}, alpha=alpha)
+    estimator = kv.MAPOEstimator()
 
     adv_cfg = kv.settings_from(cfg).advantage.resolve()
     trajs, pcs = episodes["trajs"], episodes["pcs"]
     reviews = [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
-    rows = step_rows(trajs, reviews, pcs, adv_cfg, reward, lambda i: episodes["uids"][i])
+    per_turn = episode_rewards(trajs, reviews, pcs, reward)
     buf = ReplayBuffer(kv.settings_from(cfg).buffer)
-    fresh_rows = buf.add(
-        state=rows["state"],
-        tokens=rows["tokens"],
-        logp=rows["logp"],
-        local_reward=rows["local"],
-        ret=rows["ret"],
-        global_reward=rows["global"],
-        task_group=rows["task_group"],
-        traj=rows["traj"],
-        turn=rows["turn"],
-        version=0,
-        valid=rows["valid"],
-    )
-    all_rows, fresh = buf.with_history(fresh_rows, by="exact")
-    want, _ = advantages(buf.batch(all_rows, by="exact", fresh=fresh), adv_cfg, step=0)
-    kept = buf.last_kept
     spans = kv.turn_spans(mask)
-    n_kept = 0
-    for n, (i, turn) in enumerate(zip(rows["i"], rows["turn"], strict=True)):
-        span = json.loads(scored[i][1]["kitchen_turn_index"]).index(turn)
-        s, e = spans[i][span]
-        if kept[n]:
-            torch.testing.assert_close(got[i, s:e], want[n_kept].expand(e - s))
-            n_kept += 1
-        else:  # a duplicate the buffer dropped: no gradient, as in kitchen's loop
-            assert got[i, s:e].abs().sum() == 0
-    assert n_kept == fresh_rows.numel() and want.abs().sum() > 0
+    for call in range(2):
+        uids = [f"{u}@{call}" for u in episodes["uids"]]  # verl's uids are new every step
+        got, _ = estimator(relaid, mask, np.array(uids), cfg, non_tensor_batch=fields)
+        samples = step_samples(trajs, per_turn, adv_cfg, lambda i, u=uids: u[i], version=call)
+        if call == 1:
+            assert buf.history(samples).numel() > 0
+        want = oracle_advantages(buf, samples, adv_cfg, step=call)
+        buf.advance(call + 1)
+        row = {t.id: i for i, t in enumerate(trajs)}
+        for n, (key, turn) in enumerate(zip(samples.traj, samples.turn.tolist(), strict=True)):
+            i = row[key]
+            span = json.loads(scored[i][1]["kitchen_turn_index"]).index(turn)
+            s, e = spans[i][span]
+            torch.testing.assert_close(got[i, s:e], want[n].expand(e - s))
+        assert want.abs().sum() > 0
+    assert estimator.calls == 2 and len(estimator.buffers) == 1
 
 
 def test_reward_manager_reviews_an_agent_loop_episode(episodes):

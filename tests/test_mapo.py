@@ -314,6 +314,27 @@ def test_reinforce_pp_matches_verl_whitening():
     assert_close(adv, torch.tensor(expected))
 
 
+def test_reinforce_pp_whitens_over_turns_not_tokens_as_documented():
+    """mapo.py departure 5, its example: returns 1 and 0 on turns of 3 and 1 tokens. The preset
+    whitens the two turns (±0.707); verl's token-level whitening would give +0.5 and −1.5."""
+    cfg = PRESETS["reinforce_pp"]
+    batch = StepBatch(
+        local_reward=t(1, 0),
+        global_reward=t(0, 0),
+        ret=t(1, 0),
+        state=g(0, 1),
+        task_group=g(0, 0),
+        traj=g(0, 0),
+        turn=g(0, 1),
+    )
+    adv, _ = mapo.advantages(batch, cfg)
+    assert_close(adv, t(1, -1) * 0.5 / math.sqrt(0.5 + 1e-8))
+    tokens = t(1, 1, 1, 0)  # the same returns, one value per response token
+    verl = (tokens - tokens.mean()) / torch.sqrt(tokens.var() + 1e-8)
+    assert_close(verl, t(0.5, 0.5, 0.5, -1.5), atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(adv[0], verl[0])
+
+
 def test_gigpo_matches_verl_agent_definition():
     """GiGPO (verl-agent core_gigpo.py, mean_std_norm, ω = 1, γ = 0.95):
     A = A_E + A_S. A_E: episode reward z-scored over every step row of the task group
@@ -416,6 +437,36 @@ def test_every_preset_documents_its_source_and_runs():
         adv, m = mapo.advantages(batch, cfg, step=10)
         assert torch.isfinite(adv).all() and adv.shape == (18,)
         assert "adv/mixed_std" in m
+
+
+def test_one_factor_changes_the_estimator_and_nothing_else():
+    """one_factor(grpo, mapo) is grpo's advantage with mapo's state key and loss: on the same
+    batch it gives grpo's advantages, and only the estimator fields differ from mapo."""
+    base = mapo.preset("mapo", beta=0.02, state_key="abstract")
+    arm = mapo.one_factor(PRESETS["grpo"], base)
+    assert arm.loss_agg == "token-mean" != PRESETS["grpo"].loss_agg
+    assert (arm.beta, arm.state_key) == (0.02, "abstract") and arm.name == "grpo"
+    assert arm.loss_kwargs() == base.loss_kwargs()
+    differ = {k for k in AdvantageConfig.model_fields if getattr(arm, k) != getattr(base, k)}
+    assert differ and not differ & set(mapo.SHARED_FIELDS)
+    assert {"alpha", "use_buffer", "singleton"} <= differ
+    batch = outcome_batch([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1])
+    assert_close(mapo.advantages(batch, arm)[0], mapo.advantages(batch, PRESETS["grpo"])[0])
+
+
+def test_describe_prints_what_each_preset_applies():
+    """describe names the terms a preset uses, its groups, ε, mix and loss aggregation."""
+    grpo = mapo.describe("grpo")
+    assert "A_local  not used" in grpo and "A        = A_global" in grpo
+    assert "std_k + 1e-06" in grpo and "seq-mean-token-mean" in grpo
+    m = mapo.describe(mapo.preset("mapo", beta=0.02))
+    assert "replay buffer" in m and "α from 0.2 to 0.5" in m and "0.02·k3" in m
+    assert "A_global not used" in mapo.describe("reinforce_pp")
+    assert "sqrt(var_g + 1e-08)" in mapo.describe("reinforce_pp")
+    assert "A_global + α·A_local" in mapo.describe("gigpo")
+    assert "mean of the others" in mapo.describe("rloo")
+    lines = {name: mapo.describe(name) for name in PRESETS}
+    assert len(set(lines.values())) == len(PRESETS)
 
 
 def test_config_rejects_inconsistent_choices():

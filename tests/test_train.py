@@ -7,26 +7,53 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from kitchen import paths
 from kitchen.config import KitchenError
+from kitchen.mapo import SHARED_FIELDS
 from kitchen.models import token_logprobs
-from kitchen.rollout import render_prompt
+from kitchen.rollout import render_prompt, rollout
 from kitchen.train import (
     Recipe,
     Run,
     cook,
-    gather_actions,
     latest_checkpoint,
     load_recipe,
     load_run_policy,
     pack_units,
-    sequences,
     spans_of,
     unit_tensors,
 )
 
 POLICY = os.environ.get("KITCHEN_TEST_POLICY", str(paths.DATA / "models" / "policy-tiny"))
+
+
+def sequences(tok, prompts, actions, device):
+    """The oracle the packed update is checked against: one right-padded sequence per turn.
+    Returns ids [B, T], attention mask [B, T] and the action-token mask aligned with
+    `token_logprobs`' output [B, T-1] (position t scores token t+1)."""
+    ids, act = [], []
+    for p, a in zip(prompts, actions, strict=True):
+        pid = tok(p, add_special_tokens=False)["input_ids"]
+        ids.append(pid + list(a))
+        act.append([0] * (len(pid) - 1) + [1] * len(a))
+    width = max(map(len, ids))
+    pad = tok.pad_token_id
+    input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids], device=device)
+    attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids], device=device)
+    action = torch.tensor([x + [0] * (width - 1 - len(x)) for x in act], device=device)
+    return input_ids, attn, action.bool()
+
+
+def gather_actions(values, action):
+    """Pack the action positions of `values` [B, T-1] to the left: ([B, L], mask [B, L])."""
+    lengths = action.sum(-1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    order = torch.argsort((~action).int(), dim=-1, stable=True)[:, :width]
+    packed = values.gather(-1, order)
+    mask = torch.arange(width, device=values.device)[None, :] < lengths[:, None]
+    return packed * mask, mask
 
 
 def tiny_recipe(name: str, **over) -> Recipe:
@@ -78,8 +105,6 @@ def action_logprobs(run, model=None):
 def test_logprobs_at_collection_match_the_training_forward(runs_dir):
     """The loss scores exactly the tokens the rollout sampled: same positions, same log-probs."""
     run = Run(tiny_recipe("align", train={"iterations": 1}), progress=False)
-    from kitchen.rollout import rollout
-
     trajs, _ = rollout(run.model, run.tok, run._jobs(0), run.recipe.rollout, seed=1)
     checked = 0
     for t in trajs[:4]:
@@ -216,13 +241,83 @@ def test_bad_recipes_are_located(tmp_path):
     bad.write_text("name: x\nadvantage: {preset: ppo}\n")
     with pytest.raises(KitchenError, match=r"r.yaml:2: advantage: unknown preset 'ppo'"):
         load_recipe(bad)
+    bad.write_text("name: x\ncompare:\n  base: {preset: grpo}\n  odd: {preset: ppo}\n")
+    with pytest.raises(KitchenError, match=r"r.yaml:4: compare.odd: unknown preset 'ppo'"):
+        load_recipe(bad)
 
 
-def test_shipped_recipes_load():
-    for f in sorted((paths.HOME / "recipes").glob("*.yaml")):
+def test_a_compare_arm_differs_in_the_advantage_estimator_only():
+    """`Recipe.variant(arm)`: the arm's preset over the base's state key and loss; every other
+    field as the base's; the arm's own overrides win."""
+    r = tiny_recipe("cmp", compare={"grpo": {"preset": "grpo"}, "rloo": {"preset": "rloo"}})
+    v = r.variant("grpo")
+    assert v.name == "cmp-grpo" and v.compare == {}
+    a, b = r.model_dump(), v.model_dump()
+    assert {k for k in a if a[k] != b[k]} == {"name", "advantage", "compare"}
+    base, arm = r.advantage.resolve(), v.advantage.resolve()
+    assert arm.name == "grpo" and arm.loss_agg == base.loss_agg == "token-mean"
+    assert all(getattr(arm, k) == getattr(base, k) for k in SHARED_FIELDS)
+    assert arm.use_buffer is False and arm.alpha.alpha0 == 0.0
+    own = tiny_recipe(
+        "own", compare={"g": {"preset": "grpo", "overrides": {"loss_agg": "seq-mean-token-sum"}}}
+    )
+    assert own.variant("g").advantage.resolve().loss_agg == "seq-mean-token-sum"
+    with pytest.raises(KitchenError, match="no arm 'ppo'"):
+        r.variant("ppo")
+
+
+def test_shipped_recipes_load_and_point_at_what_ships():
+    """Every shipped training recipe validates; its constitution, and a policy or GRM given as a
+    path under data/, ship with the kit; each `compare` arm differs in the advantage only; the
+    main job's recipe compares MAPO with GRPO."""
+    checked = 0
+    for f in sorted(paths.RECIPES.glob("*.yaml")):
         if f.name.startswith(("sft_", "grm_")):
             continue
-        assert load_recipe(f).name
+        r = load_recipe(f)
+        assert (paths.HOME / r.constitution).exists(), f
+        for local in (r.policy.path, r.grm.model):
+            if local.startswith("data/"):
+                assert (paths.HOME / local / "config.json").exists(), (f, local)
+        for arm in r.compare:
+            v = r.variant(arm)
+            assert v.advantage.resolve().name == r.compare[arm].preset
+            assert v.model_dump(exclude={"name", "advantage", "compare"}) == r.model_dump(
+                exclude={"name", "advantage", "compare"}
+            )
+        checked += 1
+    assert checked >= 3
+    main = load_recipe(paths.RECIPES / "tiny_mapo.yaml")
+    assert main.advantage.resolve().name == "mapo" and "grpo" in main.compare
+
+
+def test_gpu_recipe_path_runs_on_a_cpu_in_small_shape(runs_dir):
+    """recipes/gpu_qwen_qlora.yaml's path — a LoRA policy, the GRM a second adapter on the same
+    base, the KL reference that base with the adapters off — in a small shape on a CPU (the
+    shipped tiny policy as the base, no quantisation): one iteration reviews with the GRM
+    adapter and moves the policy adapter only; the base and the GRM adapter stay as they were."""
+    doc = yaml.safe_load((paths.RECIPES / "gpu_qwen_qlora.yaml").read_text())
+    doc |= {
+        "name": "gpu-small",
+        "policy": doc["policy"] | {"path": POLICY, "quantization": "none", "lora": {"r": 4}},
+        "grm": doc["grm"]
+        | {"model": POLICY, "max_prompt_tokens": 1024, "max_new_tokens": 16, "batch_size": 8},
+        "rollout": {"k": 2, "max_turns": 3, "max_new_tokens": 32},
+        "train": doc["train"] | {"iterations": 1, "tasks_per_iteration": 2, "lr": 1e-2},
+        "eval_every": 0,
+        "samples_per_iteration": 0,
+        "torch_threads": 1,
+    }
+    run = Run(Recipe.model_validate(doc), runs_dir / "gpu-small", progress=False)
+    params = dict(run.model.named_parameters())
+    before = {k: v.detach().clone() for k, v in params.items()}
+    generations = run.grm.stats["generations"]
+    m = run.step()
+    moved = {k for k, v in before.items() if not torch.equal(v, params[k].detach())}
+    assert moved and all(f".{run.adapter}." in k for k in moved), sorted(moved)[:5]
+    assert any(".grm." in k for k in before)  # the GRM adapter is on the same base
+    assert run.grm.stats["generations"] > generations and m["grm/parsed"] >= 0
+    assert m["train/step_samples"] > 0 and m["kl/mean"] >= 0
 
 
 def _bench_gpu(*args):
@@ -238,15 +333,6 @@ def _bench_gpu(*args):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout[out.stdout.index("{") :])
-
-
-@pytest.mark.slow
-def test_gpu_recipe_path_runs_on_a_cpu_in_small_shape():
-    """The one-GPU path (nf4 off on CPU, LoRA policy, GRM adapter on the same base) runs."""
-    res = _bench_gpu("--small", "--cpu", "--iterations", "1")
-    row = res["iterations"][0]
-    assert row["rollout_tokens_per_s"] > 0 and row["update_tokens_per_s"] > 0
-    assert row["review_generations"] > 0
 
 
 @pytest.mark.cuda

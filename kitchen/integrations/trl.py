@@ -1,6 +1,6 @@
 """The kit's reward and MAPO advantage inside TRL's `GRPOTrainer` (accelerate, DeepSpeed, FSDP).
 
-DESIGN §6. A recipe that `kitchen cook` runs on one GPU runs here on many, through TRL 1.16's
+docs/method.md#scaling. A recipe that `kitchen cook` runs on one GPU runs here on many, through TRL 1.16's
 documented extension points (read from `trl/trainer/grpo_trainer.py`):
 
 1. **Multi-turn rollouts** — `GRPOTrainer(rollout_func=...)`: a callable `(prompts, trainer) ->
@@ -16,16 +16,18 @@ documented extension points (read from `trl/trainer/grpo_trainer.py`):
    extra-logging hooks); TRL reports them under `clause/<id>_pass_rate` and in its completions
    table. The per-turn local rewards are kept for the advantage (`GRMReward.last`).
 3. **The advantage** — `MAPOTrainer(GRPOTrainer)` overrides `_generate_and_score_completions`:
-   after TRL has generated and scored a batch, it flattens the episodes into the kit's step
-   samples (`kitchen.train.step_rows`), adds them to a `ReplayBuffer`, computes
-   `kitchen.mapo.advantages` exactly as `kitchen cook` does, and writes each turn's advantage on
-   that turn's tokens: `advantages` becomes [B, T] instead of GRPO's [B]. TRL's loss accepts
-   per-token advantages from subclasses (`_compute_loss`: "to support subclasses that provide
-   advantages with shape (B, T)").
+   after TRL has generated and scored a batch, it turns the episodes into the kit's step samples
+   (`kitchen.train.step_samples`), computes their advantages through the path `kitchen cook`
+   takes (`kitchen.steps.advantages_for`: the replay buffer where the preset uses one, then
+   `kitchen.mapo.advantages`), and writes each turn's advantage on that turn's tokens:
+   `advantages` becomes [B, T] instead of GRPO's [B]. TRL's loss accepts per-token advantages
+   from subclasses (`_compute_loss`: "to support subclasses that provide advantages with shape
+   (B, T)").
 
-Across several processes (one per GPU) the step samples of every process are gathered before
-the advantage, so task groups and state groups span the whole batch and every process keeps an
-identical buffer; each process then keeps the advantages of its own episodes.
+Across several processes (one per GPU) the step samples of every process are gathered
+(`StepSamples.concat`) before the advantage, so task groups and state groups span the whole batch
+and every process keeps an identical buffer; each process then keeps the advantages of its own
+episodes.
 
 `python -m kitchen.integrations.trl --recipe recipes/scale/trl_tiny.yaml` trains a recipe;
 `accelerate launch --config_file recipes/scale/accelerate/<zero2|zero3|fsdp2>.yaml -m
@@ -46,9 +48,7 @@ Departures from `kitchen cook` (the kit's own loop), and why:
    is rejected. Replaying buffer samples into the gradient (`replay_in_gradient`) is rejected:
    TRL's batch holds only the episodes it generated; buffered history still sharpens the state
    groups (`use_buffer`), as in the kit's default.
-4. Samples the buffer drops as duplicates (`buffer.dedup`) get advantage 0 and leave the loss
-   mask, as they leave the kit's gradient.
-5. Episodes with a context drift (see `kitchen.integrations.episodes`) are counted in
+4. Episodes with a context drift (see `kitchen.integrations.episodes`) are counted in
    `rollout/context_drift_frac`.
 """
 
@@ -74,6 +74,8 @@ from kitchen import paths
 from kitchen.buffer import BufferConfig, ReplayBuffer
 from kitchen.config import KitchenError, StrictModel, read_yaml, validate_doc
 from kitchen.constitution import PersonalConstitution
+from kitchen.files import read_jsonl
+from kitchen.grm import GRM
 from kitchen.integrations.episodes import (
     EpisodeTokens,
     Job,
@@ -83,9 +85,25 @@ from kitchen.integrations.episodes import (
 )
 from kitchen.judge import judge
 from kitchen.mapo import AdvantageConfig
-from kitchen.review import Review, clause_pass_rates, global_reward, turn_rewards
+from kitchen.models import (
+    ModelSpec,
+    build_tiny_model,
+    load_model,
+    lora_config,
+    render_chat,
+    train_tokenizer,
+)
+from kitchen.review import Review, clause_pass_rates
 from kitchen.rollout import RolloutConfig, rollout
-from kitchen.train import Recipe, RewardConfig, buffered_advantages, load_recipe, step_rows
+from kitchen.steps import StepSamples, advantages_for
+from kitchen.train import (
+    EpisodeRewards,
+    Recipe,
+    RewardConfig,
+    episode_rewards,
+    load_recipe,
+    step_samples,
+)
 from kitchen.world import Trajectory, load_menu
 
 try:  # the trainer subclass needs TRL (a core dependency); the rest of the module does not
@@ -267,12 +285,11 @@ class GRMReward:
     def __init__(self, reviewer: Any = "judge", reward: RewardConfig | None = None):
         self.reward = reward or RewardConfig(reviewer="judge")
         if reviewer == "grm":
-            from kitchen.grm import GRM
-
             reviewer = GRM.load()
         self.reviewer = None if reviewer == "judge" else reviewer
         self.menu = load_menu()
-        self.last: dict[str, Review] = {}  # trajectory id → its review, for the advantage
+        self.last: dict[str, Review] = {}  # trajectory id → its review
+        self.last_rewards: dict[str, EpisodeRewards] = {}  # → its rewards, for the advantage
 
     def review(
         self, trajs: Sequence[Trajectory], pcs: Sequence[PersonalConstitution]
@@ -299,13 +316,11 @@ class GRMReward:
                 "ConciergeRollout as the trainer's rollout_func (or MAPOTrainer)"
             )
         reviews = self.review(trajectory, constitution)
+        rewards = episode_rewards(trajectory, reviews, constitution, self.reward)
         self.last = {t.id: r for t, r in zip(trajectory, reviews, strict=True)}
-        out, local = [], []
-        for t, r, pc in zip(trajectory, reviews, constitution, strict=True):
-            success = t.outcome.success if t.outcome else 0
-            out.append(global_reward(success, r, self.reward.global_blend))
-            rewards, valid, _ = turn_rewards(r, pc, self.reward.local_mode, self.reward.flagged)
-            local += [x for x, v in zip(rewards, valid, strict=True) if v]
+        self.last_rewards = {t.id: rw for t, rw in zip(trajectory, rewards, strict=True)}
+        out = [rw.outcome for rw in rewards]
+        local = [x for rw in rewards for x, v in zip(rw.local, rw.valid, strict=True) if v]
         if log_metric is not None:
             for clause, rate in clause_pass_rates(reviews).items():
                 log_metric(f"clause/{clause}_pass_rate", rate)
@@ -471,8 +486,8 @@ class MAPOTrainer(GRPOTrainer):
     equal `args.num_generations`); reward: a `GRMReward`; buffer: the replay buffer's config.
     Everything else is `GRPOTrainer`'s (model, args, processing_class, peft_config, ...).
 
-    `history` keeps the last `keep_history` batches (episodes, reviews, step rows, advantages)
-    for inspection and tests.
+    `history` keeps the last `keep_history` batches (episodes, reviews, step samples,
+    advantages) for inspection and tests.
     """
 
     def __init__(
@@ -527,62 +542,29 @@ class MAPOTrainer(GRPOTrainer):
 
         cfg, batch = self.kitchen_advantage, self.kitchen_rollout.last
         reviews = [self.kitchen_reward.last[t.id] for t in batch.trajs]
-        rows = step_rows(
-            batch.trajs,
-            reviews,
-            batch.pcs,
-            cfg,
-            self.kitchen_reward.reward,
-            lambda i: batch.groups[i],
-        )
-        proc = self.accelerator.process_index
-        mine = [
-            dict(zip(rows, vals, strict=True)) | {"proc": proc}
-            for vals in zip(*rows.values(), strict=True)
-        ]
-        every = gather_object(mine)  # identical on every process, in process order
-        col = {
-            k: [r[k] for r in every]
-            for k in (
-                "state",
-                "abstract",
-                "tokens",
-                "logp",
-                "local",
-                "ret",
-                "global",
-                "task_group",
-                "traj",
-                "turn",
-                "valid",
-            )
-        }
-        buf, version = self.kitchen_buffer, self.kitchen_calls
-        all_rows, fresh, adv, metrics = buffered_advantages(buf, col, cfg, version)
-        kept = buf.last_kept
-        fresh_rows = all_rows[fresh]
-        buf.advance(version + 1)
+        rewards = [self.kitchen_reward.last_rewards[t.id] for t in batch.trajs]
+        version = self.kitchen_calls
+        mine = step_samples(batch.trajs, rewards, cfg, lambda i: batch.groups[i], version=version)
+        parts = gather_object([mine])  # every process's samples, in process order
+        offset = sum(len(p) for p in parts[: self.accelerator.process_index])
+        scored = advantages_for(StepSamples.concat(parts), cfg, self.kitchen_buffer, version)
+        self.kitchen_buffer.advance(version + 1)
         self.kitchen_calls += 1
-        row_adv = torch.zeros(len(every))
-        row_adv[kept] = adv[: fresh_rows.numel()].float()
+        adv = scored.adv[offset : offset + len(mine)].float()  # [N] this process's turns
 
         trl_adv = out["advantages"].detach().cpu()  # TRL's own GRPO advantage [B], for reference
         token_adv = torch.zeros(
             out["completion_ids"].shape, dtype=torch.float32, device=out["completion_ids"].device
         )  # [B, T]
-        mask = out.get("tool_mask")
-        for r, a, k in zip(every, row_adv.tolist(), kept.tolist(), strict=True):
-            if r["proc"] != proc:
-                continue
-            s, e = batch.tokens[r["i"]].spans[r["turn"]]
-            token_adv[r["i"], s:e] = a
-            if not k and mask is not None:  # a dropped duplicate leaves the loss (departure 4)
-                mask[r["i"], s:e] = 0
+        row = {t.id: i for i, t in enumerate(batch.trajs)}
+        for key, turn, a in zip(mine.traj, mine.turn.tolist(), adv.tolist(), strict=True):
+            s, e = batch.tokens[row[key]].spans[turn]
+            token_adv[row[key], s:e] = a
         out["advantages"] = token_adv
 
         drift = sum(e.drift > 0 for e in batch.tokens) / max(len(batch.tokens), 1)
-        metrics |= {
-            "buffer/size": float(len(buf)),
+        metrics = scored.metrics | {
+            "buffer/size": float(len(self.kitchen_buffer)),
             "rollout/context_drift_frac": drift,
             "rollout/seconds": batch.seconds,
             "rollout/tokens_per_s": batch.generated / max(batch.seconds, 1e-9),
@@ -595,11 +577,12 @@ class MAPOTrainer(GRPOTrainer):
                 "trajectories": batch.trajs,
                 "pcs": batch.pcs,
                 "reviews": reviews,
+                "rewards": rewards,
                 "groups": batch.groups,
                 "tokens": batch.tokens,
-                "rows": rows,
-                "row_advantages": row_adv,
-                "kept": kept,
+                "samples": mine,
+                "advantages": adv,
+                "all_advantages": scored.adv[: scored.n_fresh].float(),
                 "token_advantages": token_adv.detach().cpu(),
                 "trl_advantages": trl_adv,
                 "step": version,
@@ -620,14 +603,9 @@ def demo_policy(seed: int = 0, *, eos_bias: float = 5.0) -> tuple[Any, Any]:
     output layer) so that its turns end after a handful of tokens, as a trained policy's do.
     For demos, tests and benchmarks where only the mechanics matter.
     """
-    from kitchen.models import ModelSpec, build_tiny_model, load_model, train_tokenizer
-
     shipped = paths.DATA / "models" / "policy-tiny"
     if (shipped / "config.json").exists():
         return load_model(ModelSpec(path=str(shipped)))
-    from kitchen.files import read_jsonl
-    from kitchen.models import render_chat
-
     texts = [render_chat(r["messages"]) for r in read_jsonl(paths.DATA / "sft" / "train.jsonl")]
     tok = train_tokenizer(texts[:2000], vocab_size=1024)
     model = build_tiny_model(tok, seed=seed)
@@ -655,8 +633,6 @@ def build_trainer(
     (`reward.reviewer`: the GRM checkpoint or the rule judge); `jobs` to the recipe's pool."""
     from accelerate import PartialState
 
-    from kitchen.models import lora_config
-
     recipe = trl_recipe.resolve()
     if recipe.policy.lora and recipe.policy.lora.path:
         raise KitchenError(
@@ -664,8 +640,6 @@ def build_trainer(
             "trained one, merge it into its base (peft merge_and_unload) and point policy.path there"
         )
     if model is None:
-        from kitchen.models import load_model
-
         spec = recipe.policy.model_copy(update={"lora": None, "path": _home(recipe.policy.path)})
         model, tokenizer = load_model(spec)
     args = grpo_config(recipe, trl_recipe.trl, num_processes=PartialState().num_processes)
@@ -699,8 +673,6 @@ def _home(path: str) -> str:
 
 
 def _load_grm(recipe: Recipe) -> Any:
-    from kitchen.grm import GRM
-
     return GRM.load(recipe.grm.model_copy(update={"model": _home(recipe.grm.model)}))
 
 

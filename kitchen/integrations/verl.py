@@ -1,14 +1,14 @@
 """The kit's reward and MAPO advantage inside verl (Ray): an estimator, a reward manager, an agent
 loop and a small trainer subclass, all through verl 0.9's registries.
 
-DESIGN §6. verl 0.9.1 (read from `verl/trainer/ppo/core_algos.py`, `ray_trainer.py`,
+docs/method.md#scaling. verl 0.9.1 (read from `verl/trainer/ppo/core_algos.py`, `ray_trainer.py`,
 `trainer/ppo/v1/trainer_base.py`, `experimental/agent_loop/`, `experimental/reward_loop/`) trains
 on one row per episode — a prompt, a response of every assistant turn with the environment's
 replies in between, and `response_mask` = 1 on the policy's tokens — and offers four registries:
 
 | piece                        | registered with                                  | name                |
 |------------------------------|--------------------------------------------------|---------------------|
-| `compute_mapo_advantage`     | `core_algos.register_adv_est`                    | `mapo`              |
+| `MAPOEstimator`              | `core_algos.register_adv_est`                    | `mapo`              |
 | `KitchenRewardManager`       | `reward_loop.reward_manager.register`            | `kitchen_grm`       |
 | `ConciergeAgentLoop`         | `agent_loop.register`                            | `kitchen_concierge` |
 | `KitchenSyncTrainer`         | `trainer.ppo.v1.trainer_base.register_trainer`   | `kitchen_sync`      |
@@ -31,6 +31,10 @@ the `algorithm` config — nothing else (only verl's own GDPO gets the non-tenso
    from the reward manager's `reward_extra_info` just before verl's advantage step, writes the
    turn rewards into the layout and hands the keys to the estimator (a context variable: the
    same process, the same call).
+4. **The advantage** is the kit's own path: the estimator turns the layout into
+   `kitchen.steps.StepSamples` and calls `kitchen.steps.advantages_for`, as `kitchen cook` and
+   the TRL trainer do. What must outlive one call — the number of calls (the α schedule's step)
+   and the replay buffer — lives in the registered `MAPOEstimator` instance, one per process.
 
 The limits, in the order a user meets them:
 - With verl's stock trainers (`trainer.v1.trainer_mode=sync`), the reward loop returns one
@@ -44,7 +48,9 @@ The limits, in the order a user meets them:
 - The review runs in verl's reward-loop workers (CPU actors): the rule judge, or a GRM checkpoint
   small enough to load there (the tiny GRM). A large GRM served by verl's reward-model router
   is not wired in (the prompt and parser in `kitchen.grm` are the pieces to reuse).
-- The α schedule counts estimator calls (one per training step) in the trainer process.
+- The α schedule counts estimator calls (one per training step) in the trainer process; the
+  action's tokens stand in as a hash for the buffer's de-duplication (the estimator sees no
+  token ids).
 
 Installing: `pip install 'kitchen[verl]'` gives verl's core; a GPU run needs verl's rollout
 stack too (`pip install 'verl[vllm]==0.9.1'`: vLLM, TransferQueue). verl loads the kit through
@@ -58,6 +64,7 @@ from __future__ import annotations
 import contextvars
 import json
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -69,11 +76,15 @@ from pydantic import Field
 from kitchen.buffer import BufferConfig, ReplayBuffer
 from kitchen.config import KitchenError, StrictModel
 from kitchen.constitution import PersonalConstitution
-from kitchen.integrations.episodes import Job, episode_tokens, first_messages
-from kitchen.mapo import AdvantageConfig, StepBatch, advantages, pad_steps, returns_for
-from kitchen.review import clause_pass_rates, global_reward, turn_rewards
-from kitchen.train import AdvantageChoice, RewardConfig
-from kitchen.world import Task, Trajectory
+from kitchen.grm import GRM, GRMConfig
+from kitchen.integrations.episodes import Job, episode_tokens, first_messages, job_pool
+from kitchen.judge import judge
+from kitchen.mapo import pad_steps, returns_for
+from kitchen.review import clause_pass_rates
+from kitchen.rollout import render_prompt
+from kitchen.steps import StepSamples, advantages_for
+from kitchen.train import AdvantageChoice, RewardConfig, episode_rewards, load_recipe, trainable
+from kitchen.world import Task, Trajectory, World, load_menu
 
 Tensor = torch.Tensor
 
@@ -171,82 +182,11 @@ def read_layout(
 # --------------------------------------------------------------------------------------------
 # The estimator
 
+# `KitchenSyncTrainer` hands the per-row fields to the estimator it is about to call through
+# verl; set and reset around that one call.
 _FIELDS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "kitchen_verl_fields", default=None
 )
-_STATE: dict[str, Any] = {"calls": 0, "buffers": {}}
-
-
-def compute_mapo_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Any = None,
-    config: Any = None,
-    non_tensor_batch: dict[str, Any] | None = None,
-    **_: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl advantage estimator `mapo`: kitchen's `mapo.advantages` on verl's batch.
-
-    token_level_rewards, response_mask: [B, L] in the turn-reward layout (module docstring);
-    index: [B] uids (task groups); config: verl's `algorithm` config, whose `kitchen` node is a
-    `VerlSettings` (default: the `mapo` preset). Optional per-row fields, from
-    `non_tensor_batch` or from `KitchenSyncTrainer`: `kitchen_state_keys` (list of keys per
-    turn) and `kitchen_valid` (list of bools per turn). Returns (advantages, returns), both
-    [B, L]: each turn's advantage on its tokens, 0 elsewhere.
-    """
-    s = settings_from(config)
-    cfg = s.advantage.resolve()
-    fields = non_tensor_batch if non_tensor_batch is not None else (_FIELDS.get() or {})
-    keys, valid = fields.get("kitchen_state_keys"), fields.get("kitchen_valid")
-    turn_index = fields.get("kitchen_turn_index")
-    hashes = fields.get("kitchen_action_hash")
-    spans, local, outcome = read_layout(token_level_rewards, response_mask)
-    uids = [str(u) for u in (index if index is not None else range(len(spans)))]
-    call = _STATE["calls"]
-    rows: dict[str, list] = {
-        k: []
-        for k in (
-            "b",
-            "span",
-            "turn",
-            "state",
-            "valid",
-            "local",
-            "traj",
-            "group",
-            "outcome",
-            "action",
-        )
-    }
-    for b, row in enumerate(spans):
-        for t in range(len(row)):
-            rows["b"].append(b)
-            rows["span"].append(t)
-            rows["turn"].append(int(_key(turn_index, b, t)) if turn_index is not None else t)
-            rows["state"].append(_key(keys, b, t) if keys is not None else f"{uids[b]}|t{t}")
-            rows["valid"].append(bool(_key(valid, b, t)) if valid is not None else True)
-            rows["local"].append(local[b][t] if rows["valid"][-1] else 0.0)
-            rows["traj"].append(f"{call}:{b}")
-            rows["group"].append(uids[b])
-            rows["outcome"].append(outcome[b])
-            rows["action"].append([int(_key(hashes, b, t)) if hashes is not None else b * 1009 + t])
-    adv_tok = torch.zeros(token_level_rewards.shape, dtype=torch.float32)
-    if rows["b"]:
-        turn = torch.tensor(rows["turn"])
-        traj = torch.tensor(rows["b"])
-        lr = torch.tensor(rows["local"], dtype=torch.float32)
-        padded, mask, r_idx, c_idx = pad_steps(lr, traj, turn)  # [n_rows, T]
-        out_by_row = torch.zeros(int(traj.max()) + 1)
-        out_by_row[traj] = torch.tensor(rows["outcome"], dtype=torch.float32)
-        present = torch.unique(traj)
-        ret = returns_for(cfg, padded, out_by_row[present], mask)[r_idx, c_idx]
-        adv = _advantages(s, cfg, rows, lr, ret, keys is not None, call)
-        for n, (b, t) in enumerate(zip(rows["b"], rows["span"], strict=True)):
-            start, end = spans[b][t]
-            adv_tok[b, start:end] = adv[n]
-    _STATE["calls"] = call + 1
-    adv_tok = adv_tok.to(token_level_rewards.device) * response_mask
-    return adv_tok, adv_tok
 
 
 def _key(table: Any, b: int, t: int) -> Any:
@@ -256,58 +196,115 @@ def _key(table: Any, b: int, t: int) -> Any:
     return row[t]
 
 
-def _advantages(
-    s: VerlSettings,
-    cfg: AdvantageConfig,
-    rows: dict[str, list],
-    lr: Tensor,
-    ret: Tensor,
-    exact: bool,
-    call: int,
-) -> Tensor:
-    """kitchen's advantages for the step rows, through a replay buffer when keys are exact."""
-    if not (cfg.use_buffer and exact):
-        batch = StepBatch(
-            local_reward=lr,
-            global_reward=torch.tensor(rows["outcome"], dtype=torch.float32),
-            ret=ret,
-            state=_codes(rows["state"]),
-            task_group=_codes(rows["group"]),
-            traj=_codes(rows["traj"]),
-            turn=torch.tensor(rows["turn"]),
-            valid=torch.tensor(rows["valid"]),
-        )
-        return advantages(batch, cfg, step=call)[0]
-    key = s.model_dump_json()
-    buf = _STATE["buffers"].setdefault(key, ReplayBuffer(s.buffer))
-    n = len(rows["b"])
-    # the action's hash stands in for its tokens: de-duplication compares (state, action)
-    fresh_rows = buf.add(
-        state=rows["state"],
-        tokens=rows["action"],
-        logp=[[0.0]] * n,
+def layout_samples(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    uids: Sequence[str],
+    cfg: Any,
+    fields: dict[str, Any],
+    version: int,
+) -> tuple[StepSamples, list[tuple[int, int]]]:
+    """The step samples of verl's batch, one per turn span, and each one's (row, span).
+
+    `fields` are the optional per-row lists `KitchenSyncTrainer` hands over:
+    `kitchen_state_keys`, `kitchen_abstract_keys`, `kitchen_valid`, `kitchen_turn_index`,
+    `kitchen_action_hash`. Without state keys a turn's state is (uid, span index): turn groups.
+    Returns are `returns_for(cfg)` over each row's spans (the turns verl trains on)."""
+    spans, local, outcome = read_layout(token_level_rewards, response_mask)
+    keys, abstract = fields.get("kitchen_state_keys"), fields.get("kitchen_abstract_keys")
+    valid, turn_index = fields.get("kitchen_valid"), fields.get("kitchen_turn_index")
+    hashes = fields.get("kitchen_action_hash")
+    where, cols = [], {k: [] for k in ("state", "abstract", "valid", "local", "turn", "hash")}
+    for b, row in enumerate(spans):
+        for t in range(len(row)):
+            ok = bool(_key(valid, b, t)) if valid is not None else True
+            state = _key(keys, b, t) if keys is not None else f"{uids[b]}|t{t}"
+            where.append((b, t))
+            cols["state"].append(state)
+            cols["abstract"].append(_key(abstract, b, t) if abstract is not None else state)
+            cols["valid"].append(ok)
+            cols["local"].append(local[b][t] if ok else 0.0)
+            cols["turn"].append(int(_key(turn_index, b, t)) if turn_index is not None else t)
+            cols["hash"].append(int(_key(hashes, b, t)) if hashes is not None else b * 1009 + t)
+    rows = torch.tensor([b for b, _ in where], dtype=torch.long)
+    lr = torch.tensor(cols["local"], dtype=torch.float32)
+    ret = torch.zeros(len(where))
+    if where:
+        turn = torch.tensor(cols["turn"])
+        padded, mask, r_idx, c_idx = pad_steps(lr, rows, turn)  # [n_rows, T]
+        by_row = torch.tensor(outcome, dtype=torch.float32)
+        ret = returns_for(cfg, padded, by_row[torch.unique(rows)], mask)[r_idx, c_idx]
+    n = len(where)
+    samples = StepSamples(
+        state=cols["state"],
+        abstract=cols["abstract"],
+        task_group=[uids[b] for b, _ in where],
+        traj=[f"{version}:{b}" for b, _ in where],
+        turn=cols["turn"],
+        tokens=cols["hash"],  # the action's hash stands in for its tokens (de-duplication)
+        logp=[0.0] * n,
+        tok_len=[1] * n,
         local_reward=lr,
         ret=ret,
-        global_reward=rows["outcome"],
-        task_group=rows["group"],
-        traj=rows["traj"],
-        turn=rows["turn"],
-        version=call,
-        valid=rows["valid"],
+        global_reward=[outcome[b] for b, _ in where],
+        valid=cols["valid"],
+        version=version,
     )
-    kept = buf.last_kept
-    all_rows, fresh = buf.with_history(fresh_rows, by="exact")
-    adv, _ = advantages(buf.batch(all_rows, by="exact", fresh=fresh), cfg, step=call)
-    buf.advance(call + 1)
-    out = torch.zeros(n)
-    out[kept] = adv[: fresh_rows.numel()].float()
-    return out
+    return samples, where
 
 
-def _codes(keys: Sequence[Any]) -> Tensor:
-    from kitchen.mapo import encode
+class MAPOEstimator:
+    """verl advantage estimator `mapo`: kitchen's advantage on verl's batch.
 
-    return encode(list(keys))
+    Called as verl calls a registered estimator: `token_level_rewards`, `response_mask` [B, L]
+    in the turn-reward layout (module docstring), `index` [B] uids (task groups), `config`
+    verl's `algorithm` config, whose `kitchen` node is a `VerlSettings` (default: the `mapo`
+    preset). Per-row fields come from `non_tensor_batch` or from `KitchenSyncTrainer`
+    (`layout_samples`). Returns (advantages, returns), both [B, L]: each turn's advantage on
+    its tokens, 0 elsewhere.
+
+    The instance keeps what spans calls: `calls`, the α schedule's step, and one replay buffer
+    per settings, used when state keys are given (uids never recur, so turn groups have no
+    history). `register()` registers one instance per process.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.buffers: dict[str, ReplayBuffer] = {}
+
+    def __call__(
+        self,
+        token_level_rewards: Tensor,
+        response_mask: Tensor,
+        index: Any = None,
+        config: Any = None,
+        non_tensor_batch: dict[str, Any] | None = None,
+        **_: Any,
+    ) -> tuple[Tensor, Tensor]:
+        s = settings_from(config)
+        cfg = s.advantage.resolve()
+        fields = non_tensor_batch if non_tensor_batch is not None else (_FIELDS.get() or {})
+        n_rows = token_level_rewards.shape[0]
+        uids = [str(u) for u in (index if index is not None else range(n_rows))]
+        call = self.calls
+        samples, where = layout_samples(
+            token_level_rewards, response_mask, uids, cfg, fields, version=call
+        )
+        buffer = None
+        if fields.get("kitchen_state_keys") is not None:
+            buffer = self.buffers.setdefault(s.model_dump_json(), ReplayBuffer(s.buffer))
+        adv_tok = torch.zeros(token_level_rewards.shape, dtype=torch.float32)
+        if where:
+            scored = advantages_for(samples, cfg, buffer, step=call)
+            spans = turn_spans(response_mask)
+            for (b, t), a in zip(where, scored.adv[: len(where)].tolist(), strict=True):
+                start, end = spans[b][t]
+                adv_tok[b, start:end] = a
+        if buffer is not None:
+            buffer.advance(call + 1)
+        self.calls = call + 1
+        adv_tok = adv_tok.to(token_level_rewards.device) * response_mask
+        return adv_tok, adv_tok
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,17 +337,12 @@ def review_episode(
 ) -> tuple[TurnRewards, dict[str, Any]]:
     """Review one episode: (R with its turn rewards, reward_extra_info). Extra info values are
     scalars or JSON strings, since verl stacks each key over the batch into one array."""
-    from kitchen.judge import judge
-
     review = judge(traj, pc) if reviewer is None else reviewer.review([traj], [pc])[0]
-    local, valid, _ = turn_rewards(review, pc, reward.local_mode, reward.flagged)
-    r = TurnRewards(
-        global_reward(traj.outcome.success if traj.outcome else 0, review, reward.global_blend)
-    )
-    # the turns that are spans of the episode row (trained: sampled, complete, not guarded)
-    trained = [ti for ti in traj.turns if ti.tokens and not (ti.truncated or ti.guarded)]
-    r.turns = [local[ti.turn] if valid[ti.turn] else 0.0 for ti in trained]
-    r.valid = [bool(valid[ti.turn]) for ti in trained]
+    rewards = episode_rewards([traj], [review], [pc], reward)[0]
+    r = TurnRewards(rewards.outcome)
+    trained = trainable(traj)  # the turns that are spans of the episode row
+    r.turns = [rewards.local[ti.turn] for ti in trained]
+    r.valid = [bool(rewards.valid[ti.turn]) for ti in trained]
     extra = {
         "kitchen_turn_rewards": json.dumps(r.turns),
         "kitchen_valid": json.dumps(r.valid),
@@ -368,8 +360,6 @@ def review_episode(
 
 def _action_hash(tokens: Sequence[int]) -> int:
     """A 31-bit hash of an action's token ids: what the buffer's de-duplication compares."""
-    import zlib
-
     return zlib.crc32(json.dumps(list(tokens)).encode()) & 0x7FFFFFFF
 
 
@@ -430,8 +420,6 @@ def _reviewer_from(config: Any) -> tuple[Any, RewardConfig]:
     reward = RewardConfig.model_validate(node.get("reward", {"reviewer": "judge"}))
     if reward.reviewer == "judge":
         return None, reward
-    from kitchen.grm import GRM, GRMConfig
-
     return GRM.load(GRMConfig.model_validate(node.get("grm", {}))), reward
 
 
@@ -449,7 +437,7 @@ def register() -> list[str]:
     from verl.trainer.ppo import core_algos
 
     if core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR) is None:
-        core_algos.register_adv_est(ESTIMATOR)(compute_mapo_advantage)
+        core_algos.register_adv_est(ESTIMATOR)(MAPOEstimator())
     done.append(ESTIMATOR)
     if _register_reward_manager():
         done.append(REWARD_MANAGER)
@@ -518,9 +506,6 @@ def _register_agent_loop() -> bool:
         last reply as the tail (`episodes.episode_tokens(tail=True)`)."""
 
         async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
-            from kitchen.rollout import render_prompt
-            from kitchen.world import World, load_menu
-
             info = kwargs.get("extra_info") or {}
             job, seed = job_from_json(info["kitchen_job"])
             task, pc, diner = job
@@ -587,6 +572,7 @@ def relayout(
     out = rm_scores.clone()
     fields: dict[str, list] = {
         "kitchen_state_keys": [],
+        "kitchen_abstract_keys": [],
         "kitchen_valid": [],
         "kitchen_turn_index": [],
         "kitchen_action_hash": [],
@@ -602,6 +588,11 @@ def relayout(
             json.loads(info["kitchen_state_keys"])[:n]
             if "kitchen_state_keys" in info
             else [f"row{b}|t{t}" for t in range(n)]
+        )
+        fields["kitchen_abstract_keys"].append(
+            json.loads(info["kitchen_abstract_keys"])[:n]
+            if "kitchen_abstract_keys" in info
+            else fields["kitchen_state_keys"][-1]
         )
         fields["kitchen_valid"].append(
             json.loads(info["kitchen_valid"])[:n] if "kitchen_valid" in info else [True] * n
@@ -663,12 +654,6 @@ def _register_trainer() -> bool:
     return True
 
 
-def reset_state() -> None:
-    """Forget the estimator's call count (the α schedule's step) and replay buffers."""
-    _STATE["calls"] = 0
-    _STATE["buffers"].clear()
-
-
 def available() -> bool:
     """Whether verl can be imported here."""
     try:
@@ -681,9 +666,6 @@ def available() -> bool:
 def write_data(recipe_path: str, out: str, *, val_share: float = 0.1) -> list[str]:
     """The task pool of a kitchen recipe as verl parquet files `train.parquet`, `val.parquet`."""
     import pandas as pd
-
-    from kitchen.integrations.episodes import job_pool
-    from kitchen.train import load_recipe
 
     recipe = load_recipe(recipe_path)
     jobs = job_pool(recipe.constitution, recipe.train.task_pool, recipe.seed)
@@ -723,7 +705,8 @@ if __name__ == "__main__":
     sys.exit(main())
 
 __all__ = [
-    "compute_mapo_advantage",
+    "MAPOEstimator",
+    "layout_samples",
     "layout",
     "read_layout",
     "register",
