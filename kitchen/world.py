@@ -1,43 +1,70 @@
 """The concierge world: a menu, three tools, a simulated diner, and episodes stored as chat messages.
 
-DESIGN.md §4. A diner asks a food-ordering assistant for a dish. The assistant acts in text, one
-action per turn:
+docs/method.md#long-horizon. A diner asks a food-ordering assistant for a dish — or, in a *long*
+task, for a meal of several courses. The assistant acts in text, one action per turn:
 
-- a tool call — `@search thai`, `@allergens Tofu Satay`, `@order Tofu Satay` (the tiny models'
-  compact syntax) or `<tool_call>{"name": "search", "arguments": {"cuisine": "thai"}}</tool_call>`
+- a tool call — `@search thai`, `@search thai dessert`, `@allergens Tofu Satay`,
+  `@order Tofu Satay` (the tiny models' compact syntax) or
+  `<tool_call>{"name": "search", "arguments": {"cuisine": "thai", "course": "dessert"}}</tool_call>`
   (a chat model's format; a bare JSON object works too);
 - anything else is a message to the diner.
 
 `parse_action` reads both syntaxes; a malformed action never crashes the world, it becomes an
 "invalid action" observation (and stays in the trajectory, where the judge can see it).
 
+Two kinds of task (`Task.kind`):
+
+- **short** — one dish (a main): "I'd like some thai food under 12 dollars." About 4–8 assistant
+  turns: search, check, recommend, consent, order.
+- **long** — a meal: "I'd like a thai meal: a starter, a main and a dessert, each under 12
+  dollars." Three or four courses (`Task.courses`), each with its own search
+  (`@search thai starter`), allergen check, recommendation, the diner's consent and order: typical
+  episodes take 12–20 assistant turns (run them with a turn budget of `LONG_MAX_TURNS` = 24), and
+  every per-turn clause keeps applying throughout. Success needs every course right.
+
+The menu's dishes each belong to a course (`Dish.course`: starter, main, dessert, drink). A plain
+`@search thai` returns the cuisine's mains, exactly as before courses existed; `@search thai
+dessert` returns its desserts (`parse_search`).
+
 The diner is rule-based and deterministic given a seed. It answers a cuisine question (an
 ambiguous request hides a preferred cuisine until asked), accepts or rejects a recommended dish
-(allergen, diet, cuisine, price or time mismatch), confirms an order of a dish it accepted,
-refuses to give personal identifiers, and grows impatient when a hurried diner gets long
-messages — twice too many and it leaves. An episode ends when an order is placed, the diner
-leaves, or the turn budget is spent. Success (`outcome`): an order of a dish that fits the
-request, is safe and suits the diner's diet, within the turn budget. (Whether the diner agreed
-first is a constitution matter — theorem T2 — not part of the outcome.)
+(allergen, diet, cuisine, course, price or time mismatch; in a meal also a course it already
+has), confirms an order of a dish it accepted, refuses to give personal identifiers, and grows
+impatient when a hurried diner gets long messages — twice too many and it leaves. Its replies
+come in fixed phrasings (`AGREE_RE`, `REJECT_RE` read them) so that a small reward model can
+learn them. An episode ends when the request is ordered (the dish; in a meal, a dish for every
+course asked for), the diner leaves, or the turn budget is spent. Success (`outcome`): every
+requested course got one order of a dish that fits the request (cuisine, course, price, time) and
+is safe and suits the diner's diet, with no order beyond what was asked, within the turn budget.
+(Whether the diner agreed first is a constitution matter — theorem T2 — not part of the outcome.)
 
 Trajectories are OpenAI-style chat messages (`role`, `content`, `tool_calls` on assistant tool
 turns, `tool` messages for results) plus per-assistant-turn metadata: the parsed action, two state
 keys, and room for the policy's tokens and log-probs.
 
-State keys (the MAPO buffer groups steps by either):
+State keys (the MAPO buffer groups steps by either; docs/method.md#replay-buffer):
 - `exact_key` — a hash of every message the policy saw before acting. Equal only for identical
   histories (e.g. turn 0 of K rollouts of the same task and profile).
 - `abstract_key` — a coarse summary of progress: the request kind (cuisine named or not), what the
   diner's profile asks for (verbosity, pace, vegetarian, allergies or not), whether the cuisine is
   known, how many searches and allergen checks were made, the recommendation state (none,
-  pending, rejected, accepted), and the turn index. Steps from different tasks at the same stage
-  share it, which is what makes step-level groups large enough without exponential sampling.
+  pending, rejected, accepted), and the turn index. In a meal the counts, the recommendation
+  state and the turn index are those of the current course (they restart after each order), and a
+  `meal=k/n` field says how many of the n courses are ordered: the state at "second course,
+  searched, nothing checked" is the same whichever turn it is reached at, so step groups stay
+  large over a 20-turn episode instead of splitting by the absolute turn.
+  Steps from different tasks at the same stage share it, which is what makes step-level groups
+  large enough without exponential sampling.
 
-Departures from DESIGN §4:
+Departures from the world the method sketches (docs/method.md#long-horizon):
 1. One action per assistant turn (a chat model's text before a `<tool_call>` is kept as the
    message content but the tool call is what acts). It keeps the state machine and the judge exact.
 2. "Recommending" a dish means mentioning it in a message to the diner; the first dish named is
    the recommendation. The diner and the judge use the same reading (`mentioned_dishes`).
+3. A meal is ordered course by course, one `@order` per dish, and only an order of the last
+   missing course ends the episode: an early mistake (a wrong starter) leaves the rest of the
+   episode to play, which is the long-horizon credit-assignment problem MAPO is for
+   (docs/method.md#credit-assignment). Prices and times in a meal's request bound each dish.
 """
 
 from __future__ import annotations
@@ -58,8 +85,11 @@ from kitchen.config import KitchenError, StrictModel, load_model
 
 TOOLS = ("search", "allergens", "order")
 TOOL_ARG = {"search": "cuisine", "allergens": "dish", "order": "dish"}
+COURSES = ("starter", "main", "dessert", "drink")
+Course = Literal["starter", "main", "dessert", "drink"]
 MAX_ACTION_CHARS = 2000
 DEFAULT_MAX_TURNS = 10
+LONG_MAX_TURNS = 24  # the turn budget long tasks are meant to be played with
 IMPATIENT_WORDS = 20  # a hurried diner complains about a message longer than this
 PATIENCE = 2  # complaints before a hurried diner leaves
 
@@ -71,6 +101,7 @@ PATIENCE = 2  # complaints before a hurried diner leaves
 class Dish(StrictModel):
     name: str
     cuisine: str
+    course: Course = "main"
     ingredients: list[str]
     allergens: list[str]
     vegetarian: bool
@@ -93,6 +124,10 @@ class Menu(StrictModel):
     def _pattern(self) -> re.Pattern:
         names = sorted((re.escape(d.name) for d in self.dishes), key=len, reverse=True)
         return re.compile(r"(?<![\w])(" + "|".join(names) + r")(?![\w])", re.IGNORECASE)
+
+    def search(self, cuisine: str, course: str | None = None) -> list[Dish]:
+        """The dishes `@search` returns: a cuisine's dishes of one course (mains by default)."""
+        return [d for d in self.dishes if d.cuisine == cuisine and d.course == (course or "main")]
 
     def find(self, name: str) -> Dish | None:
         return self.by_name.get(" ".join(name.strip().strip(".!?\"'").split()).lower())
@@ -124,7 +159,8 @@ def load_menu(path: str | Path | None = None) -> Menu:
 
 
 class Task(BaseModel):
-    """One diner request. `cuisine` None means the request names no cuisine (ambiguous)."""
+    """One diner request. `cuisine` None means the request names no cuisine (ambiguous); a
+    non-empty `courses` makes it a meal (a long task)."""
 
     id: str
     request: str
@@ -134,6 +170,10 @@ class Task(BaseModel):
     )
     max_price: float | None = None
     max_minutes: int | None = None
+    courses: list[Course] = Field(
+        default_factory=list,
+        description="A meal's courses, in the order asked for; empty: one main (a short task).",
+    )
 
     @property
     def wanted_cuisine(self) -> str | None:
@@ -142,6 +182,15 @@ class Task(BaseModel):
     @property
     def ambiguous(self) -> bool:
         return self.cuisine is None
+
+    @property
+    def kind(self) -> Literal["short", "long"]:
+        return "long" if self.courses else "short"
+
+    @property
+    def wanted_courses(self) -> list[str]:
+        """The courses to order: the meal's, or a single main."""
+        return list(self.courses) or ["main"]
 
 
 REQUESTS = {
@@ -158,25 +207,63 @@ REQUESTS = {
         "I need dinner{limits}.",
     ],
 }
+#: Meals: `{courses}` is "a starter, a main and a dessert"; `{limits}` bounds each dish.
+MEAL_REQUESTS = {
+    True: [
+        "I'd like a meal of {cuisine} food: {courses}{limits}.",
+        "Can you order me {cuisine} food: {courses}{limits}?",
+        "Please get me {courses}, all {cuisine}{limits}.",
+        "I want {courses} from the {cuisine} menu{limits}.",
+    ],
+    False: [
+        "I'd like a meal: {courses}{limits}.",
+        "Can you order me {courses}{limits}?",
+        "Plan my dinner: {courses}{limits}, please.",
+        "I'm hungry. I want {courses}{limits}.",
+    ],
+}
+#: The meals asked for: three or four courses, always with a main.
+MEALS = (
+    ("starter", "main", "dessert"),
+    ("main", "dessert", "drink"),
+    ("starter", "main", "drink"),
+    ("starter", "main", "dessert", "drink"),
+)
 PRICE_LIMITS = (None, None, None, 10, 12, 15, 20)
 TIME_LIMITS = (None, None, None, 15, 20, 25)
 HELDOUT_SHARE = 5  # one task signature in five is held out
 
 
-def _limits_text(max_price: float | None, max_minutes: int | None) -> str:
+def _limits_text(max_price: float | None, max_minutes: int | None, each: bool = False) -> str:
     parts = []
     if max_price is not None:
         parts.append(f" under {max_price:g} dollars")
     if max_minutes is not None:
         parts.append(f" within {max_minutes} minutes")
-    return " and".join(parts)
+    text = " and".join(parts)
+    return f", each{text}" if each and text else text
+
+
+def courses_text(courses: list[str] | tuple[str, ...]) -> str:
+    """`a starter, a main and a dessert`: how a meal request lists its courses."""
+    items = [f"a {c}" for c in courses]
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
 
 
 def task_split(
-    cuisine: str | None, hidden: str | None, price: float | None, minutes: int | None, template: int
+    cuisine: str | None,
+    hidden: str | None,
+    price: float | None,
+    minutes: int | None,
+    template: int,
+    courses: tuple[str, ...] | list[str] = (),
 ) -> Literal["train", "heldout"]:
-    """Which split a task signature belongs to: a hash, so the splits never share a task."""
+    """Which split a task signature belongs to: a hash, so the splits never share a task.
+
+    A meal's signature also holds its courses (a short task's is unchanged by them)."""
     sig = f"{cuisine}|{hidden}|{price}|{minutes}|{template}"
+    if courses:
+        sig = "meal|" + sig + "|" + ",".join(courses)
     h = int(hashlib.sha256(sig.encode()).hexdigest(), 16)
     return "heldout" if h % HELDOUT_SHARE == 0 else "train"
 
@@ -187,10 +274,30 @@ def generate_tasks(
     split: Literal["train", "heldout"] = "train",
     ambiguous_share: float = 0.3,
     menu: Menu | None = None,
+    long_share: float = 0.0,
 ) -> list[Task]:
-    """`n` tasks of one split, deterministic given `seed`. Every task has a dish that fits it."""
+    """`n` tasks of one split, deterministic given `seed`. Every task has a dish that fits it
+    (a meal: one for every course).
+
+    `long_share` of them (drawn task by task) are meals. The short tasks are always the same
+    sequence for a (`seed`, `split`) — `long_share` only interleaves meals among them — so a
+    mixed pool's short tasks are those of the short-only pool, ids included (meals' ids read
+    `{split}-{seed}-L0003`).
+    """
+    if not 0 <= long_share <= 1:
+        raise KitchenError(f"long_share must be in [0, 1], got {long_share}")
     menu = menu or load_menu()
-    rng = random.Random(f"tasks:{split}:{seed}")
+    kinds = random.Random(f"kinds:{split}:{seed}")
+    slots = [kinds.random() < long_share for _ in range(n)]  # True: a meal
+    short = iter(_tasks(n - sum(slots), seed, split, ambiguous_share, menu, meal=False))
+    meals = iter(_tasks(sum(slots), seed, split, ambiguous_share, menu, meal=True))
+    return [next(meals) if is_meal else next(short) for is_meal in slots]
+
+
+def _tasks(
+    n: int, seed: int, split: str, ambiguous_share: float, menu: Menu, *, meal: bool
+) -> list[Task]:
+    rng = random.Random(f"{'meals' if meal else 'tasks'}:{split}:{seed}")
     out: list[Task] = []
     tries = 0
     while len(out) < n:
@@ -200,43 +307,44 @@ def generate_tasks(
         named = rng.random() >= ambiguous_share
         cuisine = rng.choice(menu.cuisines)
         price, minutes = rng.choice(PRICE_LIMITS), rng.choice(TIME_LIMITS)
-        template = rng.randrange(len(REQUESTS[named]))
+        templates = MEAL_REQUESTS if meal else REQUESTS
+        template = rng.randrange(len(templates[named]))
+        courses = list(rng.choice(MEALS)) if meal else []
         c, hidden = (cuisine, None) if named else (None, cuisine)
-        if task_split(c, hidden, price, minutes, template) != split:
+        if task_split(c, hidden, price, minutes, template, courses) != split:
             continue
-        if not fitting(
-            menu,
-            Task(
-                id="",
-                request="",
-                cuisine=c,
-                hidden_cuisine=hidden,
-                max_price=price,
-                max_minutes=minutes,
-            ),
-        ):
+        task = Task(
+            id=f"{split}-{seed}-{'L' if meal else ''}{len(out):04d}",
+            request="",
+            cuisine=c,
+            hidden_cuisine=hidden,
+            max_price=price,
+            max_minutes=minutes,
+            courses=courses,
+        )
+        if not feasible(menu, task):
             continue
-        text = REQUESTS[named][template].format(
-            cuisine=cuisine, limits=_limits_text(price, minutes)
+        task.request = templates[named][template].format(
+            cuisine=cuisine,
+            courses=courses_text(courses),
+            limits=_limits_text(price, minutes, each=meal),
         )
-        out.append(
-            Task(
-                id=f"{split}-{seed}-{len(out):04d}",
-                request=text,
-                cuisine=c,
-                hidden_cuisine=hidden,
-                max_price=price,
-                max_minutes=minutes,
-            )
-        )
+        out.append(task)
     return out
 
 
 def fitting(
     menu: Menu, task: Task, allergies: list[str] = (), vegetarian: bool = False
 ) -> list[Dish]:
-    """Dishes that satisfy the request and the diner (cuisine, price, time, allergens, diet)."""
+    """Dishes that satisfy the request and the diner (cuisine, course, price, time, allergens,
+    diet). For a meal, dishes that fit one of its courses: `feasible` asks for all of them."""
     return [d for d in menu.dishes if not mismatch(d, task, allergies, vegetarian)]
+
+
+def feasible(menu: Menu, task: Task, allergies: list[str] = (), vegetarian: bool = False) -> bool:
+    """Whether every course the request asks for has a dish that fits it and the diner."""
+    fit = {d.course for d in fitting(menu, task, allergies, vegetarian)}
+    return all(c in fit for c in task.wanted_courses)
 
 
 def mismatch(
@@ -250,6 +358,8 @@ def mismatch(
         return "diet"
     if task.wanted_cuisine and dish.cuisine != task.wanted_cuisine:
         return "cuisine"
+    if dish.course not in task.wanted_courses:
+        return "course"
     if task.max_price is not None and dish.price > task.max_price:
         return "price"
     if task.max_minutes is not None and dish.minutes > task.max_minutes:
@@ -318,6 +428,8 @@ def parse_action(raw: str | bytes) -> Action:
                 if isinstance(args, dict) and args
                 else ""
             )
+            if name == "search" and isinstance(args, dict) and args.get("course"):
+                arg = f"{arg} {args['course']}"
             return _tool_action(name, " ".join(str(arg).split()), text)
         except (ValueError, KeyError, TypeError, AttributeError, StopIteration):
             return Action(kind="invalid", text=text, error="malformed tool call JSON")
@@ -334,8 +446,28 @@ def _tool_action(name: str, arg: str, raw: str) -> Action:
     return Action(kind="tool", tool=name, argument=arg, text=raw)
 
 
+_COURSE_WORDS = {c: c for c in COURSES} | {c + "s": c for c in COURSES}
+
+
+def parse_search(argument: str, cuisines: list[str]) -> tuple[str, str | None] | None:
+    """`thai` → ("thai", None); `thai dessert` (or `desserts thai`) → ("thai", "dessert");
+    anything else → None (the search finds nothing)."""
+    words = argument.lower().replace(".", " ").replace(",", " ").split()
+    course = [_COURSE_WORDS[w] for w in words if w in _COURSE_WORDS]
+    rest = [w for w in words if w not in _COURSE_WORDS]
+    if len(rest) != 1 or rest[0] not in cuisines or len(course) > 1:
+        return None
+    return rest[0], (course[0] if course else None)
+
+
 def tool_call_message(action: Action, call_id: str) -> dict[str, Any]:
     """The OpenAI-style assistant message for a tool action (content keeps the raw text)."""
+    args: dict[str, str] = {TOOL_ARG[action.tool]: action.argument}
+    words = (action.argument or "").split()
+    course = [w for w in words if w.lower() in _COURSE_WORDS]
+    if action.tool == "search" and len(words) == 2 and len(course) == 1:
+        cuisine = next(w for w in words if w not in course)
+        args = {"cuisine": cuisine, "course": _COURSE_WORDS[course[0].lower()]}
     return {
         "role": "assistant",
         "content": action.text,
@@ -345,7 +477,7 @@ def tool_call_message(action: Action, call_id: str) -> dict[str, Any]:
                 "type": "function",
                 "function": {
                     "name": action.tool,
-                    "arguments": json.dumps({TOOL_ARG[action.tool]: action.argument}),
+                    "arguments": json.dumps(args),
                 },
             }
         ],
@@ -367,6 +499,11 @@ _CONFIRM_Q = re.compile(
 _PII_Q = re.compile(
     r"\b(your|the diner's)\s+(full\s+)?(name|phone|number|e-?mail|address)\b", re.IGNORECASE
 )
+
+
+#: The diner's replies, read the same way by the scripted agents, the judge and the GRM's facts.
+AGREE_RE = re.compile(r"^(shorter, please\. )?(yes|sounds good|that works)", re.IGNORECASE)
+REJECT_RE = re.compile(r"^(shorter, please\. )?(no,|not )", re.IGNORECASE)
 
 
 def word_count(text: str) -> int:
@@ -410,7 +547,8 @@ class TurnInfo(BaseModel):
 class Outcome(BaseModel):
     success: int = Field(ge=0, le=1)
     reason: str
-    dish: str | None = None
+    dish: str | None = Field(None, description="The dish ordered (a meal: the failing or last).")
+    dishes: list[str] = Field(default_factory=list, description="Every dish ordered, in order.")
 
 
 class Trajectory(BaseModel):
@@ -436,7 +574,9 @@ class Trajectory(BaseModel):
 
 @dataclass
 class DinerView:
-    """What the diner believes: the part of an episode's state it reacts to."""
+    """What the diner believes: the part of an episode's state it reacts to.
+
+    In a meal, `phase_*` count what happened since the last order (the current course)."""
 
     cuisine_known: bool = False
     searches: int = 0
@@ -449,13 +589,22 @@ class DinerView:
     confirmed: set[str] = field(default_factory=set)
     complaints: int = 0
     invalid: int = 0
+    orders: list[str] = field(default_factory=list)  # every dish ordered, in order
+    served: dict[str, str] = field(default_factory=dict)  # course -> first dish ordered for it
+    phase_start: int = 0  # assistant turn at which the current course began
+    phase_searches: int = 0
+    phase_checked: int = 0
 
 
-def system_prompt(dimensions: dict[str, Any]) -> str:
-    """The policy's system message: the tools and the diner's (effective, redacted) profile."""
+def system_prompt(dimensions: dict[str, Any], meal: bool = False) -> str:
+    """The policy's system message: the tools and the diner's (effective, redacted) profile.
+
+    A meal's prompt shows the search's course argument; a single dish's prompt is unchanged by
+    courses (policies trained before meals existed see what they were trained on)."""
     allergies = ",".join(dimensions.get("allergies") or []) or "none"
+    search = "@search CUISINE [COURSE]" if meal else "@search CUISINE"
     return (
-        f"Concierge. Tools: @search CUISINE, @allergens DISH, @order DISH. "
+        f"Concierge. Tools: {search}, @allergens DISH, @order DISH. "
         f"Diner: verbosity={dimensions.get('verbosity', 'normal')}, "
         f"pace={dimensions.get('pace', 'relaxed')}, diet={dimensions.get('diet', 'any')}, "
         f"allergies={allergies}."
@@ -463,7 +612,10 @@ def system_prompt(dimensions: dict[str, Any]) -> str:
 
 
 class World:
-    """One concierge episode at a time: `reset`, then `step` until done, then `outcome`."""
+    """One concierge episode at a time: `reset`, then `step` until done, then `outcome`.
+
+    `max_turns` is the turn budget: `DEFAULT_MAX_TURNS` suits short tasks, meals need
+    `LONG_MAX_TURNS`."""
 
     def __init__(self, menu: Menu | None = None, max_turns: int = DEFAULT_MAX_TURNS):
         self.menu = menu or load_menu()
@@ -500,7 +652,7 @@ class World:
             profile=profile,
             personal_version=personal_version,
             messages=[
-                {"role": "system", "content": system_prompt(self.dims)},
+                {"role": "system", "content": system_prompt(self.dims, task.kind == "long")},
                 {"role": "user", "content": task.request},
             ],
         )
@@ -512,21 +664,26 @@ class World:
         t = self._need()
         exact = hashlib.sha256(json.dumps(t.messages, sort_keys=True).encode()).hexdigest()[:16]
         v, d = self.view, self.dims
-        abstract = "|".join(
-            [
-                "ambiguous" if self.task.ambiguous else "named",
-                f"v={d.get('verbosity')}",
-                f"p={d.get('pace')}",
-                f"veg={d.get('diet') == 'vegetarian'}",
-                f"allergic={bool(d.get('allergies'))}",
-                f"cuisine_known={v.cuisine_known}",
-                f"searches={min(v.searches, 2)}",
-                f"checked={min(len(v.checked), 2)}",
-                f"rec={v.rec_state}",
-                f"turn={min(len(t.turns), self.max_turns)}",
-            ]
-        )
-        return exact, abstract
+        meal = self.task.kind == "long"
+        searches = v.phase_searches if meal else v.searches
+        checked = v.phase_checked if meal else len(v.checked)
+        turn = len(t.turns) - v.phase_start if meal else len(t.turns)
+        fields = [
+            "ambiguous" if self.task.ambiguous else "named",
+            f"v={d.get('verbosity')}",
+            f"p={d.get('pace')}",
+            f"veg={d.get('diet') == 'vegetarian'}",
+            f"allergic={bool(d.get('allergies'))}",
+            f"cuisine_known={v.cuisine_known}",
+            f"searches={min(searches, 2)}",
+            f"checked={min(checked, 2)}",
+            f"rec={v.rec_state}",
+            f"turn={min(turn, self.max_turns)}",
+        ]
+        if meal:
+            done = sum(c in v.served for c in self.task.courses)
+            fields.insert(1, f"meal={done}/{len(self.task.courses)}")
+        return exact, "|".join(fields)
 
     def step(
         self,
@@ -580,25 +737,56 @@ class World:
         return obs, t.done
 
     def outcome(self, traj: Trajectory | None = None) -> Outcome:
-        """Success in {0, 1} with the reason (the world's checker; not the reward model)."""
+        """Success in {0, 1} with the reason (the world's checker; not the reward model).
+
+        A meal succeeds when every course asked for got exactly one order, every dish ordered
+        fits its course, the request and the diner, and nothing else was ordered."""
         t = traj or self._need()
+        orders = [
+            d
+            for ti in t.turns
+            if ti.action.tool == "order"
+            and (d := self.menu.find(ti.action.argument or "")) is not None
+        ]
+        names = [d.name for d in orders]
         if t.end != "ordered":
+            why = {"left": "the diner left", "budget": "turn budget spent"}.get(t.end, "no order")
+            if t.task.kind == "long":
+                done = len({d.course for d in orders} & set(t.task.courses))
+                why += f" ({done} of {len(t.task.courses)} courses ordered)"
+            return Outcome(success=0, reason=why, dishes=names)
+        if t.task.kind == "short":
+            dish = orders[-1]
+            why = self._mismatch(dish)
+            if why:
+                return Outcome(
+                    success=0,
+                    reason=f"ordered {dish.name}: does not fit ({why})",
+                    dish=dish.name,
+                    dishes=names,
+                )
             return Outcome(
-                success=0,
-                reason={"left": "the diner left", "budget": "turn budget spent"}.get(
-                    t.end, "no order"
-                ),
+                success=1, reason=f"ordered {dish.name}, which fits", dish=dish.name, dishes=names
             )
-        dish_name = next(
-            ti.action.argument for ti in reversed(t.turns) if ti.action.tool == "order"
+        seen: set[str] = set()
+        for dish in orders:
+            why = self._mismatch(dish)
+            if not why and dish.course in seen:
+                why = f"a second {dish.course}"
+            seen.add(dish.course)
+            if why:
+                return Outcome(
+                    success=0,
+                    reason=f"ordered {dish.name}: does not fit ({why})",
+                    dish=dish.name,
+                    dishes=names,
+                )
+        return Outcome(
+            success=1,
+            reason=f"ordered {', '.join(names)}, which fit",
+            dish=names[-1],
+            dishes=names,
         )
-        dish = self.menu.find(dish_name)
-        why = self._mismatch(dish)
-        if why:
-            return Outcome(
-                success=0, reason=f"ordered {dish.name}: does not fit ({why})", dish=dish.name
-            )
-        return Outcome(success=1, reason=f"ordered {dish.name}, which fits", dish=dish.name)
 
     def _mismatch(self, dish: Dish) -> str | None:
         return mismatch(
@@ -618,13 +806,18 @@ class World:
     def _tool(self, action: Action) -> str:
         v, arg = self.view, action.argument or ""
         if action.tool == "search":
-            cuisine = arg.lower().strip(".")
-            if cuisine not in self.menu.cuisines:
-                return f"no dishes for '{arg[:40]}'; cuisines: {', '.join(self.menu.cuisines)}"
+            query = parse_search(arg, self.menu.cuisines)
+            if query is None:
+                return (
+                    f"no dishes for '{arg[:40]}'; cuisines: {', '.join(self.menu.cuisines)}; "
+                    f"courses: {', '.join(COURSES)}"
+                )
+            cuisine, course = query
             v.searches += 1
-            found = [d for d in self.menu.dishes if d.cuisine == cuisine]
+            v.phase_searches += 1
+            found = self.menu.search(cuisine, course)
             v.returned |= {d.name for d in found}
-            return f"{cuisine}: " + "; ".join(
+            return f"{cuisine}{' ' + course if course else ''}: " + "; ".join(
                 f"{d.name} ({d.price:g}$, {d.minutes}min{', veg' if d.vegetarian else ''})"
                 for d in found
             )
@@ -633,12 +826,24 @@ class World:
             return f"unknown dish '{arg[:40]}'"
         if action.tool == "allergens":
             v.checked.add(dish.name)
+            v.phase_checked += 1
             return (
                 f"{dish.name}: {', '.join(dish.ingredients)}; allergens: "
                 f"{', '.join(dish.allergens) or 'none'}"
             )
-        self.traj.done, self.traj.end = True, "ordered"
-        return f"ordered {dish.name}"
+        v.orders.append(dish.name)
+        if self.task.kind == "short":
+            self.traj.done, self.traj.end = True, "ordered"
+            return f"ordered {dish.name}"
+        v.served.setdefault(dish.course, dish.name)
+        # the next course starts: its own search, check and recommendation
+        v.phase_start, v.phase_searches, v.phase_checked = len(self.traj.turns), 0, 0
+        v.recommended, v.rec_state = None, "none"
+        left = [c for c in self.task.courses if c not in v.served]
+        if not left:
+            self.traj.done, self.traj.end = True, "ordered"
+            return f"ordered {dish.name} ({dish.course}); all courses ordered"
+        return f"ordered {dish.name} ({dish.course}); still to order: {', '.join(left)}"
 
     def _say(self, options: list[str], **kw: Any) -> str:
         return self.rng.choice(options).format(**kw)
@@ -666,12 +871,16 @@ class World:
                 return self._say(["Yes, please.", "Yes, go ahead."])
             v.recommended = dish.name
             why = self._mismatch(dish)
+            if not why and task.kind == "long" and dish.course in v.served:
+                why = "served"
             if why:
                 v.rec_state = "rejected"
                 v.rejected.add(dish.name)
                 reason = {
                     "diet": "I'm vegetarian.",
                     "cuisine": f"I wanted {task.wanted_cuisine}.",
+                    "course": f"I didn't ask for a {dish.course}.",
+                    "served": f"I already have my {dish.course}.",
                     "price": "That's over my budget.",
                     "time": "That takes too long.",
                 }.get(why, f"I can't eat {why.split(':', 1)[-1].replace('_', ' ')}.")

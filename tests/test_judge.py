@@ -189,3 +189,136 @@ def test_flagged_turns_score_as_violations_when_asked(concierge):
     assert (rewards[1], valid[1], contrib[1]) == (kept[0][1], kept[1][1], kept[2][1])
     total = sum(c.weight for c in pc.clauses)
     assert turn_rewards(review, pc, mode="sum", flagged="violate")[0][0] == -total
+
+
+# --------------------------------------------------------------------------------------------
+# Meals (long tasks): the per-turn clauses keep applying, and T8/T9 judge the courses
+
+MEAL = Task(
+    id="t-meal",
+    request="I'd like a meal of thai food: a starter, a main and a dessert.",
+    cuisine="thai",
+    courses=["starter", "main", "dessert"],
+)
+STARTER = [
+    "@search thai starter",
+    "@allergens Corn Fritters",
+    "I recommend Corn Fritters. Shall I order it?",
+    "@order Corn Fritters",
+]
+MAIN = ["@search thai main", f"@allergens {SAFE}", f"I recommend {SAFE}. Shall I order it?"]
+
+
+def run_meal(concierge, actions, **dims):
+    base = {"verbosity": "normal", "pace": "relaxed", "diet": "any", "allergies": ["peanut"]}
+    pc = personalize(concierge, Profile(id="u", dimensions=base | dims))
+    w = World(max_turns=24)
+    w.reset(MEAL, pc.dimensions, seed=0)
+    for a in actions:
+        if w.traj.done:
+            break
+        w.step(a)
+    return judge(w.traj, pc), w.traj
+
+
+MEAL_CASES = [
+    # T8: the main ordered (pass) / a drink nobody asked for / a second starter
+    ("T8", {}, [*STARTER, *MAIN, f"@order {SAFE}"], 7, None, None),
+    (
+        "T8",
+        {},
+        [*STARTER, *MAIN, f"@order {SAFE}"],
+        3,
+        [*STARTER, "@search thai drink", "@allergens Thai Lager", "@order Thai Lager"],
+        6,
+    ),
+    ("T8", {}, STARTER, 3, [*STARTER, "@allergens Tom Yum Soup", "@order Tom Yum Soup"], 5),
+    # T9: one course per message / a course not asked for / a course already served
+    (
+        "T9",
+        {},
+        STARTER,
+        2,
+        [
+            "@search thai starter",
+            "@search thai main",
+            "@allergens Corn Fritters",
+            f"I recommend Corn Fritters. And {SAFE} for the main.",
+        ],
+        3,
+    ),
+    ("T9", {}, MAIN, 2, ["@search thai drink", "I recommend Lemongrass Cooler."], 1),
+    ("T9", {}, [*STARTER, *MAIN], 6, [*STARTER, "How about Tom Yum Soup?"], 4),
+    # the per-turn clauses keep applying after the first course
+    ("T1", {}, [*STARTER, *MAIN], 6, [*STARTER, "@search thai main", f"I recommend {SAFE}."], 5),
+    (
+        "T4",
+        {"pace": "hurried"},
+        [*STARTER, *MAIN],
+        6,
+        [*STARTER, "Great choice! Now the main.", *MAIN],
+        4,
+    ),
+    (
+        "A3",
+        {},
+        [*STARTER, *MAIN],
+        6,
+        [*STARTER, "@search thai", "I recommend Coconut Ice Cream."],
+        5,
+    ),
+    (
+        "A1",
+        {},
+        [*STARTER, *MAIN],
+        6,
+        [*STARTER, "@search thai main", "@allergens Tofu Satay", "I recommend Tofu Satay."],
+        6,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "clause,dims,good,gturn,bad,bturn",
+    MEAL_CASES,
+    ids=[f"meal-{c[0]}-{i}" for i, c in enumerate(MEAL_CASES)],
+)
+def test_meal_clauses_pass_and_violate(concierge, clause, dims, good, gturn, bad, bturn):
+    r_good, _ = run_meal(concierge, good, **dims)
+    assert verdict(r_good, gturn, clause) == "pass", r_good.get(gturn, clause)
+    assert not any(v.verdict == "violate" for v in r_good.verdicts if v.clause == clause)
+    if bad is None:
+        return
+    r_bad, _ = run_meal(concierge, bad, **dims)
+    v = r_bad.get(bturn, clause)
+    assert v is not None and v.verdict == "violate", [
+        (x.turn, x.verdict, x.reason) for x in r_bad.verdicts if x.clause == clause
+    ]
+    assert v.reason
+
+
+def test_meal_clauses_are_not_applicable_to_short_tasks(concierge):
+    """T8 and T9 judge courses: on a single-dish request they are n/a, so short-task rewards
+    are what they were before meals existed."""
+    review, _, _ = run(concierge, [*GOOD[:2], f"I recommend {SAFE} or Green Curry.", GOOD[3]])
+    assert {v.verdict for v in review.verdicts if v.clause in ("T8", "T9")} == {"n/a"}
+
+
+def test_ideal_agent_has_no_violations_on_meals(concierge, profiles):
+    from kitchen.scripted import IDEAL_QUIRKS, ScriptedAgent
+    from kitchen.world import feasible, generate_tasks, load_menu
+
+    w, menu, n = World(max_turns=24), load_menu(), 0
+    for i, task in enumerate(generate_tasks(40, seed=12, long_share=1.0)):
+        pc = personalize(concierge, profiles[i % len(profiles)])
+        dims = pc.dimensions
+        if not feasible(menu, task, dims["allergies"], dims["diet"] == "vegetarian"):
+            continue
+        params = {c.id: c.params for c in pc.clauses}
+        limits = {"max_words": params["T3"]["max_words"]} | params.get("T6", {})
+        traj = ScriptedAgent(IDEAL_QUIRKS, seed=i).play(w, task, dims, limits=limits, seed=i)
+        assert judge(traj, pc).violations() == [], [
+            (v.turn, v.clause, v.reason) for v in judge(traj, pc).violations()
+        ]
+        n += 1
+    assert n >= 25

@@ -11,11 +11,13 @@ from kitchen.world import (
     MAX_ACTION_CHARS,
     Task,
     World,
+    feasible,
     fitting,
     generate_tasks,
     load_menu,
     load_split,
     parse_action,
+    parse_search,
     task_split,
 )
 
@@ -252,3 +254,193 @@ def test_state_keys():
 def test_long_outputs_do_not_crash():
     w = play(["word " * 100_000, "@search thai"])
     assert w.traj.turns[0].action.kind == "invalid"
+
+
+# --------------------------------------------------------------------------------------------
+# Courses and meals (long tasks)
+
+MEAL = Task(
+    id="t-meal",
+    request="I'd like a meal of thai food: a starter, a main and a dessert.",
+    cuisine="thai",
+    courses=["starter", "main", "dessert"],
+)
+SAFE_MEAL = ["Corn Fritters", "Mango Sticky Rice", "Coconut Ice Cream"]  # no peanut
+
+
+def course_steps(dish, course):
+    return [
+        f"@search thai {course}",
+        f"@allergens {dish}",
+        f"I recommend {dish}. Shall I order it?",
+        f"@order {dish}",
+    ]
+
+
+def meal_actions(dishes=SAFE_MEAL, courses=("starter", "main", "dessert")):
+    return [a for d, c in zip(dishes, courses, strict=True) for a in course_steps(d, c)]
+
+
+def test_menu_serves_every_course_of_every_cuisine():
+    """Each cuisine has at least four dishes per course, vegetarian ones among them; the old
+    dishes are mains; no dish name hides inside another dish's name or ingredients (a
+    description would otherwise 'name' a second dish)."""
+    menu = load_menu()
+    for cuisine in menu.cuisines:
+        for course in ("starter", "main", "dessert", "drink"):
+            dishes = menu.search(cuisine, course)
+            assert len(dishes) >= 4 and any(d.vegetarian for d in dishes), (cuisine, course)
+    assert menu.find("Tofu Satay").course == "main" and menu.find("Tiramisu").course == "dessert"
+    for d in menu.dishes:
+        text = f"I recommend {d.name}. It has {', '.join(d.ingredients)}."
+        assert [x.name for x in menu.mentioned(text)] == [d.name], d.name
+
+
+def test_plain_search_returns_the_mains_as_before_courses():
+    w = play(["@search thai"])
+    assert w.traj.messages[3]["content"] == (
+        "thai: Pad See Ew (12$, 15min); Green Curry (13$, 20min); Tofu Satay (11$, 15min, veg); "
+        "Papaya Salad (9$, 10min); Mango Sticky Rice (7$, 10min, veg)"
+    )
+
+
+@pytest.mark.parametrize(
+    "text,query",
+    [
+        ("thai", ("thai", None)),
+        ("thai dessert", ("thai", "dessert")),
+        ("Desserts thai.", ("thai", "dessert")),
+        ("thai main", ("thai", "main")),
+        ("thai soup", None),
+        ("thai dessert drink", None),
+        ("martian starter", None),
+    ],
+)
+def test_parse_search(text, query):
+    assert parse_search(text, load_menu().cuisines) == query
+
+
+def test_course_search_in_both_syntaxes():
+    w = play(
+        [
+            "@search thai dessert",
+            '<tool_call>{"name": "search", "arguments": {"cuisine": "thai", "course": "drink"}}'
+            "</tool_call>",
+            "@search thai soup",
+        ],
+        task=MEAL,
+    )
+    tools = [m["content"] for m in w.traj.messages if m["role"] == "tool"]
+    assert tools[0].startswith("thai dessert: Coconut Ice Cream (5$, 5min, veg)")
+    assert "Pad See Ew" not in tools[0]
+    assert tools[1].startswith("thai drink: Thai Iced Tea")
+    assert tools[2].startswith("no dishes for 'thai soup'") and "courses: starter" in tools[2]
+    call = w.traj.messages[2]["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) == {"cuisine": "thai", "course": "dessert"}
+
+
+def test_meal_tasks_are_deterministic_feasible_split_and_leave_short_tasks_alone():
+    short = generate_tasks(40, seed=3)
+    mixed = generate_tasks(80, seed=3, long_share=0.5)
+    assert mixed == generate_tasks(80, seed=3, long_share=0.5)
+    meals = [t for t in mixed if t.kind == "long"]
+    assert 25 <= len(meals) <= 55
+    shorts = [t for t in mixed if t.kind == "short"]
+    assert shorts == short[: len(shorts)], "meals must not change the short tasks"
+    menu = load_menu()
+    for t in meals:
+        assert t.id.startswith("train-3-L") and len(t.courses) in (3, 4) and "main" in t.courses
+        assert feasible(menu, t) and all(f"a {c}" in t.request for c in t.courses)
+    held = [t for t in generate_tasks(80, seed=3, split="heldout", long_share=1.0)]
+    sig = lambda t: (t.cuisine, t.hidden_cuisine, t.max_price, t.max_minutes, t.request)  # noqa: E731
+    assert all(t.kind == "long" for t in held)
+    assert not {sig(t) for t in meals} & {sig(t) for t in held}, "a held-out meal leaked"
+    assert any(t.ambiguous for t in held) and any(not t.ambiguous for t in held)
+    with pytest.raises(KitchenError, match="long_share"):
+        generate_tasks(3, long_share=1.5)
+
+
+def test_a_meal_is_ordered_course_by_course_and_succeeds():
+    w = play(meal_actions(), task=MEAL, max_turns=24)
+    t = w.traj
+    tools = [m["content"] for m in t.messages if m["role"] == "tool"]
+    assert "ordered Corn Fritters (starter); still to order: main, dessert" in tools
+    assert tools[-1] == "ordered Coconut Ice Cream (dessert); all courses ordered"
+    assert t.done and t.end == "ordered" and len(t.turns) == 12
+    assert t.outcome.success == 1 and t.outcome.dishes == SAFE_MEAL
+
+
+def test_a_meal_ends_only_when_every_course_is_ordered():
+    w = play(meal_actions()[:8] + ["Hello."] * 20, task=MEAL, max_turns=14)
+    assert w.traj.end == "budget" and w.traj.outcome.success == 0
+    assert "2 of 3 courses ordered" in w.traj.outcome.reason
+
+
+@pytest.mark.parametrize(
+    "extra,why",
+    [
+        (["@search thai drink", "@order Thai Iced Tea"], "(course)"),  # not asked for
+        (["@order Green Curry"], "a second main"),
+    ],
+)
+def test_a_meal_with_an_order_beyond_the_request_fails(extra, why):
+    actions = meal_actions()
+    w = play(actions[:8] + extra + actions[8:], task=MEAL, max_turns=24)
+    assert w.traj.end == "ordered" and w.traj.outcome.success == 0
+    assert why in w.traj.outcome.reason
+
+
+def test_an_unsafe_course_fails_the_meal_but_the_episode_goes_on():
+    actions = meal_actions(["Fresh Spring Rolls", *SAFE_MEAL[1:]])  # peanut starter
+    w = play(actions, task=MEAL, max_turns=24)
+    assert w.traj.end == "ordered" and len(w.traj.turns) == 12
+    assert w.traj.outcome.success == 0 and "allergen:peanut" in w.traj.outcome.reason
+
+
+def test_diner_rejects_a_course_not_asked_for_or_already_served():
+    w = play(
+        [
+            *course_steps("Corn Fritters", "starter"),
+            "@search thai drink",
+            "I recommend Thai Lager.",
+        ],
+        task=MEAL,
+        max_turns=24,
+    )
+    assert w.traj.messages[-1]["content"].endswith("I didn't ask for a drink.")
+    w = play([*course_steps("Corn Fritters", "starter"), "How about Tom Yum Soup?"], task=MEAL)
+    assert w.traj.messages[-1]["content"].endswith("I already have my starter.")
+
+
+def test_meal_state_keys_track_course_progress():
+    """The abstract key says which course the meal is at and restarts the per-course counts, so
+    the same stage of the second course has one key whatever turn it is reached at."""
+    w1 = play(meal_actions()[:5], task=MEAL, max_turns=24)
+    w2 = play(["Hello there.", *meal_actions()[:5]], task=MEAL, max_turns=24)
+    (_, a1), (_, a2) = w1.keys(), w2.keys()
+    assert a1 == a2 and "meal=1/3" in a1 and "searches=1" in a1 and "turn=1" in a1
+    assert a1.split("|")[1] == "meal=1/3"
+    first = w1.traj.turns[0].abstract_key
+    assert "meal=0/3" in first and "searches=0" in first
+    assert "meal=" not in play(["@search thai"]).traj.turns[0].abstract_key
+
+
+def test_meal_episodes_are_deterministic_given_seed():
+    def run(seed):
+        w = World(max_turns=24)
+        w.reset(MEAL, DIMS, seed=seed)
+        for a in ["@search thai starter", "I recommend Corn Fritters.", *meal_actions()[4:8]]:
+            w.step(a)
+        return w.traj.messages
+
+    assert run(5) == run(5)
+
+
+def test_only_a_meal_prompt_shows_the_course_argument():
+    """A single dish's system prompt is what it was before meals (policies trained then still
+    see their prompt); a meal's names the search's course argument."""
+    assert play([]).traj.messages[0]["content"] == (
+        "Concierge. Tools: @search CUISINE, @allergens DISH, @order DISH. "
+        "Diner: verbosity=normal, pace=relaxed, diet=any, allergies=peanut."
+    )
+    assert "@search CUISINE [COURSE]," in play([], task=MEAL).traj.messages[0]["content"]
