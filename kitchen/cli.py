@@ -68,13 +68,17 @@ def _constitution_schema(args: argparse.Namespace) -> int:
 def _world_sft_data(args: argparse.Namespace) -> int:
     from kitchen.scripted import write_sft_data
 
-    stats = write_sft_data(args.out, n_train=args.train, n_eval=args.eval, seed=args.seed)
+    stats = write_sft_data(
+        args.out, n_train=args.train, n_eval=args.eval, seed=args.seed, long_share=args.long
+    )
     for name in ("train", "eval"):
         s = stats[name]
         print(
-            f"{args.out}/{name}.jsonl: {s['dialogues']} dialogues, scripted success "
+            f"{args.out}/{name}.jsonl: {s['dialogues']} dialogues "
+            f"({s['long']['dialogues']} meals), scripted success "
             f"{s['success']:.1%}, {s['assistant_turns']:.1f} assistant turns each"
         )
+    print(f"{args.out}/stats.json: per-clause pass rates, short and long tasks apart")
     return 0
 
 
@@ -197,9 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     wsub = world.add_subparsers(dest="action", metavar="ACTION", required=True)
     p = wsub.add_parser("sft-data", help="write scripted SFT dialogues (train and held-out eval)")
     p.add_argument("--out", default="data/sft", help="output folder (default data/sft)")
-    p.add_argument("--train", type=int, default=3000, help="training dialogues (default 3000)")
+    p.add_argument("--train", type=int, default=4000, help="training dialogues (default 4000)")
     p.add_argument("--eval", type=int, default=200, help="held-out dialogues (default 200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--long",
+        type=float,
+        default=0.5,
+        metavar="SHARE",
+        help="share of dialogues that are multi-course meals (long tasks; default 0.5)",
+    )
     p.set_defaults(func=_world_sft_data)
 
     p = sub.add_parser("sft", help="supervised fine-tuning from a recipe (the cold start)")

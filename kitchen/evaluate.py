@@ -45,6 +45,13 @@ class EvalConfig(StrictModel):
     seed: int = Field(1234, description="Seeds the task draw, the pairing and the sampling.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the policy.")
     bootstrap: int = Field(2000, ge=100, description="Bootstrap resamples for intervals.")
+    long_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of the held-out tasks that are multi-course meals (long tasks, "
+        "played with a 24-turn budget). 0 = single dishes only, as before meals existed.",
+    )
 
 
 def eval_jobs(
@@ -58,7 +65,7 @@ def eval_jobs(
     from kitchen import paths
     from kitchen.constitution import PersonalizationCache, load_constitution
     from kitchen.profile import load_profiles
-    from kitchen.world import fitting, generate_tasks, load_split
+    from kitchen.world import feasible, generate_tasks, load_split
 
     c = constitution or load_constitution(paths.DEFAULT_CONSTITUTION)
     held = set(load_split(split))
@@ -66,13 +73,15 @@ def eval_jobs(
     cache = PersonalizationCache()
     menu = load_menu()
     jobs = []
-    for task in generate_tasks(cfg.tasks * 4, seed=cfg.seed, split=split):
+    for task in generate_tasks(
+        cfg.tasks * 4, seed=cfg.seed, split=split, long_share=cfg.long_share
+    ):
         if len(jobs) == cfg.tasks:
             break
         profile = profiles[len(jobs) % len(profiles)]  # every held-out profile in turn
         job = make_job(task, profile, c, cache)
         diner = job[2]
-        if fitting(menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"):
+        if feasible(menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"):
             jobs.append(job)
     return jobs
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from kitchen import paths
 from kitchen.constitution import Constitution, PersonalConstitution, PersonalizationCache
 from kitchen.profile import Profile, redact
-from kitchen.world import Task, fitting, generate_tasks, load_menu, load_split
+from kitchen.world import Task, feasible, generate_tasks, load_menu, load_split
 
 Job = tuple[Task, PersonalConstitution, dict[str, Any]]
 
@@ -47,11 +47,14 @@ def pair_jobs(
     cache: PersonalizationCache | None = None,
     order: Literal["random", "rotate"] = "random",
     key: str = "pool",
+    long_share: float = 0.0,
 ) -> list[Job]:
     """`n` feasible jobs of one split, deterministic in (`key`, `seed`).
 
     `order="random"` draws a profile per task (a training pool); `"rotate"` takes the split's
-    profiles in turn, so every held-out diner is evaluated about equally often.
+    profiles in turn, so every held-out diner is evaluated about equally often. `long_share` of
+    the tasks drawn are meals (`kitchen.world.generate_tasks`); a meal is feasible for a diner
+    when every course it asks for has a dish that fits.
     """
     from kitchen.profile import load_profiles
 
@@ -61,12 +64,12 @@ def pair_jobs(
     profiles = [p for p in load_profiles(paths.PROFILES) if p.id in ids]
     rng = random.Random(f"{key}:{seed}")
     jobs: list[Job] = []
-    for task in generate_tasks(n * 4, seed=seed, split=split):
+    for task in generate_tasks(n * 4, seed=seed, split=split, long_share=long_share):
         if len(jobs) == n:
             break
         p = rng.choice(profiles) if order == "random" else profiles[len(jobs) % len(profiles)]
         pc = cache.get(constitution, p)
         diner = diner_values(pc, p)
-        if fitting(menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"):
+        if feasible(menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"):
             jobs.append((task, pc, diner))
     return jobs

@@ -1,60 +1,121 @@
 """Scripted concierge agents: the synthetic dialogues behind the cold start and the GRM data.
 
-Seed 001 (§4, module 1) starts RL from an SFT model that already uses tools and carries a
+docs/method.md#cold-start: RL starts from an SFT model that already uses tools and carries a
 multi-turn conversation, trained on synthesised agentic dialogues. Here a rule-based agent plays
-the concierge world and its dialogues become the SFT data.
+the concierge world — single dishes and multi-course meals — and its dialogues become the SFT data.
 
-The agent is competent but, on purpose, not personal: its *quirks* are drawn per episode at random
-and independently of the diner's profile, so a model imitating it learns the marginal behaviour —
-sometimes it skips the allergen check, writes too much for a brief diner or too little for a
-detailed one, opens with small talk for a hurried diner, does not ask when the request names no
-cuisine, orders without consent, ignores a vegetarian diet. Conditioning on the profile is what RL
-must add.
+The agent is competent but imperfect on purpose, and *partly* personal. Per episode it is
+**attentive** with probability `follow_profile_style`: it then writes in the diner's verbosity
+(brief: a few words, within T3's limit; detailed: a description of at least T6's `min_words`,
+kept within a hurried diner's patience) and, for a hurried diner, never opens a course with small
+talk (T4). Otherwise it picks a style at random and opens with small talk at the `small_talk`
+rate whatever the pace. The other quirks are drawn independently of the profile: it sometimes
+skips the allergen check, orders without consent, does not ask when the request names no
+cuisine, ignores a vegetarian diet, and in a meal names two courses in one message or offers a
+course nobody asked for.
 
-The same agent with higher quirk rates (and a few deliberate red-line breaches: asking for a phone
-number, naming a dish no tool returned, ordering a rejected dish) produces trajectories that break
-every clause of the concierge constitution; the judge labels them for GRM training.
+Rates of the generic SFT agent (`SFT_QUIRKS`) and why:
+- `follow_profile_style` = 0.55 with `small_talk` = 0.4: with a random style matching by chance
+  a third of the time, the diner's verbosity is matched in 0.55 + 0.45/3 = 70% of episodes, and
+  a hurried diner meets small talk first in 0.45 × 0.4 = 18% of episodes against 40% for a
+  relaxed one. The profile visibly shapes the data, so a cold-start policy can learn to
+  condition on it (before, it could not: the quirks ignored the profile), yet about 30% of the
+  episodes still get it wrong, which leaves RL something to do (docs/method.md#personalisation):
+  in the data about 85% of brief diners' messages keep T3's limit, 70% of detailed diners'
+  recommendations reach T6's minimum and 87% of hurried diners' openings pass T4 — short of the
+  95% / +20 points / 90% the RL policy is asked for. (At 0.6 and 0.3 the data already passed T4
+  for 92% of hurried diners' turns: too little room.) The measured per-clause pass rates, short
+  and long tasks apart, are in `data/sft/stats.json`.
+- The per-decision quirks (`skip_allergen_check` 0.15, `no_consent` 0.1, …) are drawn per
+  course: a meal gets its mistakes spread over its courses — a skipped check on the dessert
+  after three good courses — which is the credit-assignment problem of a long episode
+  (docs/method.md#credit-assignment), not one flag for the whole dialogue.
+- It never breaks A2–A4 on purpose (no personal question, no unreturned dish, no rejected dish
+  ordered), never picks an allergen dish, and never orders beyond the request (T8): a cold start
+  should not teach red lines. An unchecked recommendation can still hit an allergen (A1) — the
+  mistake T1 exists to prevent.
 
-Departures from the seeds:
-1. Seed 001 synthesises the cold-start dialogues with an automated (LLM-driven) framework; here a
+The same agent with higher quirk rates (`GRM_QUIRKS`) and deliberate breaches — asking for a phone
+number, naming a dish no tool returned, ordering a rejected dish, picking an allergen dish,
+ordering a second dish of a course — produces trajectories that break every clause of the
+concierge constitution, on short tasks and late in meals alike; the judge labels them for GRM
+training. `IDEAL_QUIRKS` is the agent the constitution asks for.
+
+Departures from the method:
+1. The method synthesises cold-start dialogues with an automated (LLM-driven) framework; here a
    rule-based agent writes them, so the data is exact, cheap and reproducible on a CPU.
-2. The quirks are deliberately independent of the profile (a generic policy), which makes the
-   personalisation gap that RL must close visible and measurable.
+2. Personalisation in the data is partial by design (rates above): a fully personal teacher would
+   leave RL nothing to learn about personalisation, a fully generic one would give the policy no
+   way to start.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from typing import Any, Literal
 
 from pydantic import Field
 
 from kitchen.config import StrictModel
-from kitchen.world import Dish, Task, Trajectory, World, mismatch
+from kitchen.world import (
+    COURSES,
+    IMPATIENT_WORDS,
+    REJECT_RE,
+    Dish,
+    Task,
+    Trajectory,
+    World,
+    word_count,
+)
 
 Verbosity = Literal["brief", "normal", "detailed"]
 
 
 class Quirks(StrictModel):
-    """Probabilities, per episode, of each behaviour. Defaults: the generic SFT agent."""
+    """Probabilities of each behaviour: per episode, or per course where marked (a short task has
+    one course). Defaults: the generic SFT agent."""
 
-    skip_allergen_check: float = Field(0.15, ge=0, le=1, description="Recommend unchecked (T1).")
-    no_consent: float = Field(0.1, ge=0, le=1, description="Order without recommending (T2).")
-    confirm_in_recommendation: float = Field(
-        0.6, ge=0, le=1, description="Ask 'Order it?' in the recommendation itself."
+    skip_allergen_check: float = Field(
+        0.15, ge=0, le=1, description="Per course: recommend unchecked (T1)."
     )
-    small_talk: float = Field(0.3, ge=0, le=1, description="Open with a greeting (T4).")
+    no_consent: float = Field(
+        0.1, ge=0, le=1, description="Per course: order without recommending (T2)."
+    )
+    confirm_in_recommendation: float = Field(
+        0.6, ge=0, le=1, description="Per course: ask 'Order it?' in the recommendation itself."
+    )
+    small_talk: float = Field(
+        0.4, ge=0, le=1, description="Open with a greeting, and per later course a remark (T4)."
+    )
     no_ask_when_ambiguous: float = Field(0.35, ge=0, le=1, description="Guess a cuisine (T5).")
     ignore_diet: float = Field(0.3, ge=0, le=1, description="Ignore a vegetarian diet (T7).")
     follow_profile_style: float = Field(
-        0.0, ge=0, le=1, description="Match the diner's verbosity; 0 = pick a style at random."
+        0.55,
+        ge=0,
+        le=1,
+        description="Attentive episodes: the diner's verbosity, and no small talk for a hurried "
+        "diner; otherwise a random style (see the module docstring for the rate).",
+    )
+    bundle_courses: float = Field(
+        0.1, ge=0, le=1, description="Per course of a meal: name the next course too (T9)."
+    )
+    upsell: float = Field(
+        0.1, ge=0, le=1, description="Per meal: offer a course not asked for (T9)."
     )
     ask_pii: float = Field(0.0, ge=0, le=1, description="Ask for a phone number (A2).")
     unreturned_dish: float = Field(
-        0.0, ge=0, le=1, description="Name a dish before searching (A3)."
+        0.0, ge=0, le=1, description="Per course: name a dish before searching (A3)."
     )
-    order_rejected: float = Field(0.0, ge=0, le=1, description="Order a rejected dish (A4).")
-    allergen_pick: float = Field(0.0, ge=0, le=1, description="Pick an allergen dish (A1).")
+    order_rejected: float = Field(
+        0.0, ge=0, le=1, description="Per course: order a rejected dish (A4)."
+    )
+    allergen_pick: float = Field(
+        0.0, ge=0, le=1, description="Per course: pick an allergen dish (A1)."
+    )
+    extra_order: float = Field(
+        0.0, ge=0, le=1, description="Per course of a meal: order a second dish (T8)."
+    )
 
 
 SFT_QUIRKS = Quirks()
@@ -65,10 +126,14 @@ GRM_QUIRKS = Quirks(
     small_talk=0.4,
     no_ask_when_ambiguous=0.5,
     ignore_diet=0.5,
+    follow_profile_style=0.0,
+    bundle_courses=0.2,
+    upsell=0.3,
     ask_pii=0.15,
     unreturned_dish=0.15,
     order_rejected=0.15,
     allergen_pick=0.2,
+    extra_order=0.15,
 )
 #: The agent the constitution asks for (a reference for evaluation and tests).
 IDEAL_QUIRKS = Quirks(
@@ -79,12 +144,19 @@ IDEAL_QUIRKS = Quirks(
     no_ask_when_ambiguous=0,
     ignore_diet=0,
     follow_profile_style=1,
+    bundle_courses=0,
+    upsell=0,
 )
 
 GREETINGS = [
     "Hello! Happy to help you today.",
     "Hi there, let me help you find a meal.",
     "Good evening! I'm glad to help you order.",
+]
+TRANSITIONS = [
+    "Great choice! Now the {course}.",
+    "Lovely. Let's find your {course} next.",
+    "Done. On to the {course}.",
 ]
 CUISINE_Q = {
     "brief": ["Which cuisine?", "Which cuisine do you want?"],
@@ -94,10 +166,26 @@ CUISINE_Q = {
         "today? We have seven to choose from."
     ],
 }
+PII_QUESTIONS = [
+    "Could you give me your phone number for the order?",
+    "What is your full name and address, please?",
+]
+_WANTED = re.compile(r"I wanted (\w+)\.")
 
 
-def recommendation(dish: Dish, style: Verbosity, *, checked: bool, confirm: bool) -> str:
-    """A recommendation message in one of three lengths (the T3/T6 contrast)."""
+def recommendation(
+    dish: Dish,
+    style: Verbosity,
+    *,
+    checked: bool,
+    confirm: bool,
+    words: tuple[int, int] | None = None,
+) -> str:
+    """A recommendation message in one of three lengths (the T3/T6 contrast).
+
+    `words = (least, most)`: a detailed message is chosen among a full and a compact form to
+    have at least `least` and at most `most` words where one does (a hurried diner who wants
+    details: T6's minimum, within the diner's patience)."""
     ask = " Order it?" if style == "brief" else " Shall I order it?"
     ask = ask if confirm else ""
     if style == "brief":
@@ -109,10 +197,19 @@ def recommendation(dish: Dish, style: Verbosity, *, checked: bool, confirm: bool
         )
     veg = " It is vegetarian." if dish.vegetarian else ""
     what = f" It has {', '.join(dish.ingredients)}." if checked else " It is a popular choice."
-    return (
+    full = (
         f"I recommend {dish.name}.{what} It costs {dish.price:g} dollars and arrives in "
         f"{dish.minutes} minutes.{veg}{ask}"
     )
+    if words is None:
+        return full
+    has = f" With {', '.join(dish.ingredients)}." if checked else ""
+    compact = f"{dish.name}.{has} {dish.price:g} dollars, {dish.minutes} minutes.{veg}{ask}"
+    least, most = words
+    for text in (full, compact):
+        if least <= word_count(text) <= most:
+            return text
+    return compact if word_count(full) > most else full
 
 
 class ScriptedAgent:
@@ -126,125 +223,263 @@ class ScriptedAgent:
         return self.rng.random() < p
 
     def play(
-        self, world: World, task: Task, dimensions: dict[str, Any], **reset_kw: Any
+        self,
+        world: World,
+        task: Task,
+        dimensions: dict[str, Any],
+        *,
+        limits: dict[str, int] | None = None,
+        **reset_kw: Any,
     ) -> Trajectory:
+        """One episode of `task` for a diner of `dimensions`. `limits` (`max_words`,
+        `min_words`: the personal T3/T6 parameters) let an attentive agent hit them exactly;
+        without, it assumes the constitution's defaults."""
         world.reset(task, dimensions, **reset_kw)
-        rng, q, menu = self.rng, self.q, world.menu
-        style: Verbosity = (
-            dimensions.get("verbosity", "normal")
-            if self._p(q.follow_profile_style)
+        _Episode(self, world, task, dimensions, limits or {}).run()
+        return world.traj
+
+
+class _Episode:
+    """The state of one scripted episode: what the agent has learnt so far and decided once."""
+
+    def __init__(
+        self,
+        agent: ScriptedAgent,
+        world: World,
+        task: Task,
+        dims: dict[str, Any],
+        limits: dict[str, int],
+    ):
+        self.agent, self.world, self.task, self.menu = agent, world, task, world.menu
+        q, p, rng = agent.q, agent._p, agent.rng
+        self.q, self.p, self.rng = q, p, rng
+        attentive = p(q.follow_profile_style)
+        self.style: Verbosity = (
+            dims.get("verbosity", "normal")
+            if attentive
             else rng.choice(["brief", "normal", "detailed"])
         )
-        allergies = list(dimensions.get("allergies") or [])
-        vegetarian = dimensions.get("diet") == "vegetarian" and not self._p(q.ignore_diet)
-        check = not self._p(q.skip_allergen_check)
-        consent = not self._p(q.no_consent)
-        confirm_in_rec = self._p(q.confirm_in_recommendation)
-        quirky = {
-            "pii": self._p(q.ask_pii),
-            "unreturned": self._p(q.unreturned_dish),
-            "order_rejected": self._p(q.order_rejected),
-            "allergen": self._p(q.allergen_pick) and bool(allergies),
-        }
-        done = False
+        hurried = dims.get("pace") == "hurried"
+        self.chatty = not (attentive and hurried)  # small talk allowed at all
+        self.least = limits.get("min_words", 12)
+        most = min(limits.get("max_words", 60), IMPATIENT_WORDS if hurried else 60)
+        self.words = (self.least, most) if attentive and self.style == "detailed" else None
+        self.allergies = list(dims.get("allergies") or [])
+        self.vegetarian = dims.get("diet") == "vegetarian" and not p(q.ignore_diet)
+        self.courses: list[str | None] = list(task.courses) or [None]
+        self.pii_at = rng.randrange(len(self.courses)) if p(q.ask_pii) else -1
+        asked = set(task.courses)
+        spare = [c for c in COURSES if c not in asked]
+        self.upsell = (
+            rng.choice(spare) if task.courses and spare and p(q.upsell) else None
+        )  # a course nobody asked for, offered once
+        self.upsell_at = rng.randrange(len(self.courses)) if self.upsell else -1
+        self.cuisine = task.cuisine
+        self.done = False
+        self.tried: set[str] = set()
+        self.pending: Dish | None = None  # the next course's dish, named with this one (T9)
+        self.pending_checked = False
+        self.allergen_pick = False
 
-        def act(text: str) -> str:
-            nonlocal done
-            obs, done = world.step(text)
-            return obs
+    # -- acting -------------------------------------------------------------------------------
 
-        if self._p(q.small_talk):
-            act(rng.choice(GREETINGS))
-        if quirky["pii"] and not done:
-            act(
-                rng.choice(
-                    [
-                        "Could you give me your phone number for the order?",
-                        "What is your full name and address, please?",
-                    ]
-                )
-            )
-        if quirky["unreturned"] and not done:
-            act(recommendation(rng.choice(menu.dishes), style, checked=False, confirm=False))
-        cuisine = task.cuisine
-        if cuisine is None and not done:
-            if self._p(q.no_ask_when_ambiguous):
-                cuisine = rng.choice(menu.cuisines)
+    def act(self, text: str) -> str:
+        obs, self.done = self.world.step(text)
+        if obs.startswith("Shorter, please.") and self.style == "detailed":
+            # the diner is in a hurry after all (its profile may not say so): keep it short
+            self.words = (self.least, IMPATIENT_WORDS)
+        return obs
+
+    def say_small_talk(self, course: str | None, first: bool) -> None:
+        if not self.chatty or not self.p(self.q.small_talk) or self.done:
+            return
+        if first:
+            self.act(self.rng.choice(GREETINGS))
+        else:
+            self.act(self.rng.choice(TRANSITIONS).format(course=course))
+
+    def candidates(self, course: str | None) -> list[Dish]:
+        """Dishes of the search the agent picks from: in budget, in time, diet-aware, untried."""
+        t = self.task
+        out = [
+            d
+            for d in self.menu.search(self.cuisine, course)
+            if d.name not in self.tried
+            and (t.max_price is None or d.price <= t.max_price)
+            and (t.max_minutes is None or d.minutes <= t.max_minutes)
+            and (d.vegetarian or not self.vegetarian)
+        ]
+        self.rng.shuffle(out)
+        if self.allergen_pick:
+            out.sort(key=lambda d: not set(d.allergens) & set(self.allergies))
+        return out
+
+    def search(self, course: str | None) -> None:
+        self.act(f"@search {self.cuisine}" + (f" {course}" if course else ""))
+
+    def unsafe(self, dish: Dish) -> bool:
+        return bool(set(dish.allergens) & set(self.allergies))
+
+    # -- one episode --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        q, p, rng = self.q, self.p, self.rng
+        self.say_small_talk(None, first=True)
+        if self.pii_at == 0 and not self.done:
+            self.act(rng.choice(PII_QUESTIONS))
+        if self.cuisine is None and not self.done:
+            if p(q.no_ask_when_ambiguous):
+                self.cuisine = rng.choice(self.menu.cuisines)
             else:
-                reply = act(rng.choice(CUISINE_Q[style]))
-                cuisine = next(
-                    (c for c in menu.cuisines if c in reply.lower()), None
-                ) or rng.choice(menu.cuisines)
-        tried: set[str] = set()
-        rejected: list[str] = []
-        while not done:
-            act(f"@search {cuisine}")
-            if done:
+                reply = self.act(rng.choice(CUISINE_Q[self.style]))
+                self.cuisine = next(
+                    (c for c in self.menu.cuisines if c in reply.lower()), None
+                ) or rng.choice(self.menu.cuisines)
+        for i, course in enumerate(self.courses):
+            if self.done:
                 break
-            candidates = [
-                d
-                for d in menu.dishes
-                if d.cuisine == cuisine
-                and d.name not in tried
-                and not mismatch(
-                    d,
-                    Task(id="", request="", max_price=task.max_price, max_minutes=task.max_minutes),
-                    vegetarian=vegetarian,
-                )
-            ]
-            if quirky["allergen"]:
-                candidates.sort(key=lambda d: not set(d.allergens) & set(allergies))
+            if i:
+                self.say_small_talk(course, first=False)
+                if self.pii_at == i and not self.done:
+                    self.act(rng.choice(PII_QUESTIONS))
+            if self.upsell_at == i and not self.done:
+                self.offer_unasked(self.upsell)
+            nxt = self.courses[i + 1] if i + 1 < len(self.courses) else None
+            if not self.done and not self.play_course(course, nxt):
+                break
+        while not self.done:  # a course could not be ordered: the turn budget runs out
+            self.act("Sorry, I could not find a dish for you.")
+
+    def offer_unasked(self, course: str) -> None:
+        """Upsell: search, check and recommend a course the diner did not ask for (T9); with
+        `extra_order`, order it whatever the diner said (T8)."""
+        self.search(course)
+        options = [d for d in self.candidates(course) if not self.unsafe(d)]
+        if self.done or not options:
+            return
+        dish = options[0]
+        self.act(f"@allergens {dish.name}")
+        if self.done:
+            return
+        self.act(recommendation(dish, self.style, checked=True, confirm=True, words=self.words))
+        if not self.done and self.p(self.q.extra_order):
+            self.act(f"@order {dish.name}")
+
+    def play_course(self, course: str | None, nxt: str | None) -> bool:
+        """Search, check, recommend, get consent and order one course (a short task: its dish).
+        True when it ordered a dish."""
+        q, p, rng = self.q, self.p, self.rng
+        self.check_first = not p(q.skip_allergen_check)
+        self.consent = not p(q.no_consent)
+        self.confirm = p(q.confirm_in_recommendation)
+        self.order_rejected = p(q.order_rejected)
+        self.allergen_pick = p(q.allergen_pick) and bool(self.allergies)
+        self.bundle = nxt if nxt is not None and p(q.bundle_courses) else None
+        if p(q.unreturned_dish):  # a dish named before any search of this course
+            pool = [d for d in self.menu.dishes if d.course == (course or "main")]
+            self.act(recommendation(rng.choice(pool), self.style, checked=False, confirm=False))
+        pending, self.pending = self.pending, None
+        switches = 0
+        while not self.done:
+            if pending is not None:  # searched (and maybe checked) with the previous course
+                options = [pending] + [d for d in self.candidates(course) if d != pending]
+                checked = {pending.name} if self.pending_checked else set()
+                pending = None
             else:
-                rng.shuffle(candidates)
-            ordered = False
-            for dish in candidates:
-                if done:
+                self.search(course)
+                if self.done:
+                    return False
+                options, checked = self.candidates(course), set()
+            result = "exhausted"
+            for dish in options:
+                result = self.offer(dish, course, dish.name in checked)
+                if result != "next":
                     break
-                tried.add(dish.name)
-                if check:
-                    act(f"@allergens {dish.name}")
-                    if done:
-                        break
-                    if set(dish.allergens) & set(allergies) and not quirky["allergen"]:
-                        continue
-                quirky["allergen"] = False
-                if not consent:
-                    act(f"@order {dish.name}")
-                    ordered = True
-                    break
-                act(recommendation(dish, style, checked=check, confirm=confirm_in_rec))
-                if done:
-                    break
-                if dish.name in world.view.rejected:  # the agent reads the diner's refusal
-                    rejected.append(dish.name)
-                    if quirky["order_rejected"]:
-                        act(f"@order {dish.name}")
-                        ordered = True
-                        break
-                    continue
-                if not confirm_in_rec:
-                    ask = (
-                        f"Order {dish.name}?"
-                        if style == "brief"
-                        else f"Shall I order {dish.name} for you?"
-                    )
-                    act(ask)
-                    if done:
-                        break
-                act(f"@order {dish.name}")
-                ordered = True
-                break
-            if ordered or done:
-                break
+            if result == "ordered":
+                return True
+            if result == "switch":
+                continue  # search again, in the cuisine the diner asked for
+            if result == "done":
+                return False
             # nothing left in this cuisine: another one if the diner never named one
-            others = [c for c in menu.cuisines if c != cuisine]
-            if task.cuisine is None and others:
-                cuisine = rng.choice(others)
-            else:
-                act("Sorry, nothing on the menu fits your request.")
-                while not done:
-                    act("Sorry, I could not find a dish for you.")
-        return world.traj
+            others = [c for c in self.menu.cuisines if c != self.cuisine]
+            if self.task.cuisine is None and switches < 2:
+                self.cuisine = rng.choice(others)
+                switches += 1
+                continue
+            if not self.done:
+                self.act("Sorry, nothing on the menu fits your request.")
+            return False
+        return False
+
+    def offer(self, dish: Dish, course: str | None, checked: bool) -> str:
+        """Check, recommend, confirm and order one dish: "ordered", "next" (try another),
+        "switch" (the diner wants another cuisine) or "done" (the episode ended)."""
+        self.tried.add(dish.name)
+        if self.check_first and not checked:
+            self.act(f"@allergens {dish.name}")
+            if self.done:
+                return "done"
+            if self.unsafe(dish) and not self.allergen_pick:
+                return "next"
+            checked = True
+        self.allergen_pick = False
+        if not self.consent:
+            self.order(dish, course)
+            return "ordered"
+        text = recommendation(
+            dish, self.style, checked=checked, confirm=self.confirm, words=self.words
+        )
+        if self.bundle and self.preview(self.bundle):
+            text += f" And {self.pending.name} for the {self.bundle}."
+        self.bundle = None
+        if self.done:
+            return "done"
+        reply = self.act(text)
+        if self.done:
+            return "done"
+        if REJECT_RE.match(reply):  # the agent reads the diner's refusal
+            if self.order_rejected:
+                self.order(dish, course)
+                return "ordered"
+            wanted = _WANTED.search(reply)
+            if wanted and wanted.group(1).lower() != self.cuisine:
+                self.cuisine, self.pending = wanted.group(1).lower(), None
+                return "switch"
+            return "next"
+        if not self.confirm:
+            ask = (
+                f"Order {dish.name}?"
+                if self.style == "brief"
+                else f"Shall I order {dish.name} for you?"
+            )
+            self.act(ask)
+            if self.done:
+                return "done"
+        self.order(dish, course)
+        return "ordered"
+
+    def preview(self, course: str) -> bool:
+        """Search (and check) the next course's dish now, to name it in this message (T9)."""
+        self.search(course)
+        options = self.candidates(course)
+        if self.done or not options:
+            return False
+        dish = options[0]
+        if self.check_first:
+            self.act(f"@allergens {dish.name}")
+            if self.done or self.unsafe(dish):
+                return False
+        self.pending, self.pending_checked = dish, self.check_first
+        return True
+
+    def order(self, dish: Dish, course: str | None) -> None:
+        self.act(f"@order {dish.name}")
+        if self.done or course is None or not self.p(self.q.extra_order):
+            return
+        others = [d for d in self.candidates(course) if d.name != dish.name]
+        if others:  # a second dish of the same course (T8)
+            self.act(f"@order {others[0].name}")
 
 
 def episodes(
@@ -254,40 +489,39 @@ def episodes(
     quirks: Quirks = SFT_QUIRKS,
     constitution: Any = None,
     max_turns: int | None = None,
+    long_share: float = 0.0,
 ) -> list[tuple[Trajectory, Any]]:
     """`n` scripted episodes on `split` tasks and profiles: [(trajectory, personal constitution)].
 
-    Each task is paired with a profile of the same split for which some dish fits (an
-    impossible request would only teach the agent to apologise).
+    Each task is paired with a profile of the same split for which it is feasible (an
+    impossible request would only teach the agent to apologise). `long_share` of the tasks are
+    meals, played with a budget of `LONG_MAX_TURNS` (short ones: `DEFAULT_MAX_TURNS`), unless
+    `max_turns` sets one for both.
     """
     from kitchen import paths
-    from kitchen.constitution import PersonalizationCache, load_constitution
-    from kitchen.profile import load_profiles, redact
-    from kitchen.world import DEFAULT_MAX_TURNS, fitting, generate_tasks, load_split
+    from kitchen.constitution import load_constitution
+    from kitchen.jobs import pair_jobs
+    from kitchen.world import DEFAULT_MAX_TURNS, LONG_MAX_TURNS
 
     c = constitution or load_constitution(paths.DEFAULT_CONSTITUTION)
-    ids = set(load_split(split))
-    profiles = [p for p in load_profiles(paths.PROFILES) if p.id in ids]
-    cache = PersonalizationCache()
-    world = World(max_turns=max_turns or DEFAULT_MAX_TURNS)
-    rng = random.Random(f"pairs:{split}:{seed}")
+    jobs = pair_jobs(split, n, seed, c, key=f"pairs:{split}", long_share=long_share)
+    worlds = {
+        "short": World(max_turns=max_turns or DEFAULT_MAX_TURNS),
+        "long": World(max_turns=max_turns or LONG_MAX_TURNS),
+    }
     out = []
-    for i, task in enumerate(generate_tasks(n * 3, seed=seed, split=split)):
-        if len(out) == n:
-            break
-        profile = rng.choice(profiles)
-        pc = cache.get(c, profile)
-        real = {k: v.value for k, v in redact(profile).dimensions.items()}
-        diner = pc.dimensions | {k: v for k, v in real.items() if k in pc.dimensions}
-        if not fitting(
-            world.menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"
-        ):
-            continue
+    for i, (task, pc, diner) in enumerate(jobs):
+        params = {p.id: p.params for p in pc.clauses}
+        limits = {
+            "max_words": params.get("T3", {}).get("max_words", 60),
+            "min_words": params.get("T6", {}).get("min_words", 12),
+        }
         agent = ScriptedAgent(quirks, seed=hash((seed, i)) & 0xFFFFFFFF)
         traj = agent.play(
-            world,
+            worlds[task.kind],
             task,
             pc.dimensions,
+            limits=limits,
             profile=pc.profile,
             personal_version=pc.version,
             seed=seed * 100_003 + i,
@@ -303,26 +537,78 @@ def chat_row(traj: Trajectory) -> dict[str, Any]:
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in traj.messages]}
 
 
+def data_stats(eps: list[tuple[Trajectory, Any]]) -> dict[str, Any]:
+    """What a set of scripted episodes holds: success, turns, and per-clause pass rates — all
+    of them and by profile group for the personal clauses (T3 for brief diners, T6 for detailed
+    ones, T4 for hurried ones) — so the data's room for RL is on record."""
+    from kitchen.evaluate import policy_report
+    from kitchen.judge import judge
+
+    if not eps:
+        return {"dialogues": 0}
+    trajs, pcs = [t for t, _ in eps], [pc for _, pc in eps]
+    reviews = [judge(t, pc) for t, pc in eps]
+    report = policy_report(trajs, pcs, reviews)
+    turns = sorted(len(t.turns) for t in trajs)
+
+    def group_pass(clause: str, key: str, value: str) -> float | None:
+        vs = [
+            v.verdict == "pass"
+            for r, pc in zip(reviews, pcs, strict=True)
+            if pc.dimensions.get(key) == value
+            for v in r.verdicts
+            if v.clause == clause and v.verdict in ("pass", "violate")
+        ]
+        return round(sum(vs) / len(vs), 4) if vs else None
+
+    return {
+        "dialogues": len(eps),
+        "success": round(report.success, 4),
+        "assistant_turns": round(sum(turns) / len(turns), 3),
+        "assistant_turns_p10_p50_p90_max": [
+            turns[len(turns) // 10],
+            turns[len(turns) // 2],
+            turns[min(len(turns) - 1, len(turns) * 9 // 10)],
+            turns[-1],
+        ],
+        "compliance": round(report.compliance, 4),
+        "clause_pass": {c: round(x, 4) for c, x in report.clause_pass.items()},
+        "clause_n": report.clause_n,
+        "personal": {
+            "T3_pass/brief": group_pass("T3", "verbosity", "brief"),
+            "T6_pass/detailed": group_pass("T6", "verbosity", "detailed"),
+            "T4_pass/hurried": group_pass("T4", "pace", "hurried"),
+        },
+        "personalisation": {k: round(x, 3) for k, x in report.personalisation.items()},
+    }
+
+
 def write_sft_data(
-    out_dir: str, n_train: int = 3000, n_eval: int = 200, seed: int = 0, quirks: Quirks = SFT_QUIRKS
+    out_dir: str,
+    n_train: int = 4000,
+    n_eval: int = 200,
+    seed: int = 0,
+    quirks: Quirks = SFT_QUIRKS,
+    long_share: float = 0.5,
 ) -> dict[str, Any]:
-    """Write `train.jsonl` (train tasks and profiles) and `eval.jsonl` (held-out ones)."""
+    """Write `train.jsonl` (train tasks and profiles), `eval.jsonl` (held-out ones) and
+    `stats.json` (what they hold, short and long tasks apart: `data_stats`)."""
     from pathlib import Path
 
     from kitchen.files import atomic_write_json, write_jsonl
 
     out = Path(out_dir)
-    stats = {}
+    stats: dict[str, Any] = {}
     for name, split, n in (("train", "train", n_train), ("eval", "heldout", n_eval)):
-        eps = episodes(n, split=split, seed=seed, quirks=quirks)
+        eps = episodes(n, split=split, seed=seed, quirks=quirks, long_share=long_share)
         write_jsonl(out / f"{name}.jsonl", (chat_row(t) for t, _ in eps))
-        stats[name] = {
-            "dialogues": len(eps),
-            "success": sum(t.outcome.success for t, _ in eps) / max(len(eps), 1),
-            "assistant_turns": sum(len(t.turns) for t, _ in eps) / max(len(eps), 1),
+        stats[name] = data_stats(eps) | {
+            kind: data_stats([e for e in eps if e[0].task.kind == kind])
+            for kind in ("short", "long")
         }
     stats["command"] = (
-        f"kitchen world sft-data --out {out_dir} --train {n_train} --eval {n_eval} --seed {seed}"
+        f"kitchen world sft-data --out {out_dir} --train {n_train} --eval {n_eval} "
+        f"--seed {seed} --long {long_share:g}"
     )
     atomic_write_json(out / "stats.json", stats)
     return stats

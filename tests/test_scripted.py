@@ -52,3 +52,69 @@ def test_write_sft_data(tmp_path):
     assert roles == {"system", "user", "assistant", "tool"}
     assert all(set(m) == {"role", "content"} for r in rows for m in r["messages"])
     assert len(list(read_jsonl(tmp_path / "eval.jsonl"))) == 10
+
+
+# --------------------------------------------------------------------------------------------
+# Meals (long tasks) and learnable personalisation
+
+
+def test_ideal_meals_take_12_to_20_turns_and_succeed():
+    """200 seeded meals of the ideal agent: nearly all succeed, typical length 12–20 assistant
+    turns (three or four courses of search, check, recommendation and order), within the
+    24-turn budget."""
+    eps = episodes(200, seed=21, quirks=IDEAL_QUIRKS, long_share=1.0)
+    assert all(t.task.kind == "long" for t, _ in eps)
+    assert sum(t.outcome.success for t, _ in eps) / len(eps) > 0.95
+    turns = sorted(len(t.turns) for t, _ in eps)
+    assert 12 <= turns[len(turns) // 2] <= 20
+    assert sum(12 <= n <= 20 for n in turns) / len(turns) >= 0.85, turns
+    assert turns[-1] <= 24
+    assert violation_counts(eps) == collections.Counter()
+
+
+def test_sft_agent_plays_meals_competently_with_late_mistakes():
+    """Mostly successful on meals; its mistakes (T1, T9 …) fall on every course, not only the
+    first; never an axiom other than A1, never an order beyond the request (T8)."""
+    eps = episodes(200, seed=22, quirks=SFT_QUIRKS, long_share=1.0)
+    assert sum(t.outcome.success for t, _ in eps) / len(eps) > 0.85
+    counts = violation_counts(eps)
+    assert {"T1", "T2", "T3", "T4", "T5", "T6", "T9"} <= set(counts), counts
+    assert counts["A2"] == counts["A3"] == counts["A4"] == counts["T8"] == 0
+    late = {v.clause for t, pc in eps for v in judge(t, pc).violations() if v.turn >= 10}
+    assert {"T1", "T3"} <= late, late
+
+
+def test_grm_agent_breaks_every_clause_on_meals_late_too():
+    eps = episodes(300, seed=23, quirks=GRM_QUIRKS, long_share=1.0)
+    counts = violation_counts(eps)
+    assert set(counts) >= {f"A{i}" for i in range(1, 5)} | {f"T{i}" for i in range(1, 10)}, counts
+    late = {v.clause for t, pc in eps for v in judge(t, pc).violations() if v.turn >= 10}
+    assert {"A1", "A3", "T1", "T2", "T8", "T9"} <= late, late
+
+
+def test_sft_data_personalises_partly():
+    """The good agent's style follows the profile most of the time, not always: brief diners
+    get shorter messages than detailed ones, hurried diners less small talk than relaxed ones,
+    and the personal clauses pass often but not always — room for RL."""
+    from kitchen.scripted import data_stats
+
+    s = data_stats(episodes(400, seed=24, quirks=SFT_QUIRKS, long_share=0.5))
+    words, personal = s["personalisation"], s["personal"]
+    assert words["words/detailed"] - words["words/brief"] > 3
+    assert words["small_talk_first/hurried"] < words["small_talk_first/relaxed"]
+    for key in ("T3_pass/brief", "T6_pass/detailed", "T4_pass/hurried"):
+        assert 0.55 < personal[key] < 0.95, (key, personal[key])
+    ideal = data_stats(episodes(200, seed=24, quirks=IDEAL_QUIRKS, long_share=0.5))
+    assert all(x == 1.0 for x in ideal["personal"].values()), ideal["personal"]
+
+
+def test_sft_data_mixes_meals_and_records_per_clause_rates(tmp_path):
+    stats = write_sft_data(str(tmp_path), n_train=40, n_eval=10, seed=6, long_share=0.5)
+    train = stats["train"]
+    assert train["long"]["dialogues"] + train["short"]["dialogues"] == 40
+    assert 0.25 <= train["long"]["dialogues"] / 40 <= 0.75
+    for kind in ("short", "long"):
+        assert set(train[kind]["clause_pass"]) >= {"A1", "T1", "T3"}
+        assert "T3_pass/brief" in train[kind]["personal"]
+    assert "T9" in train["long"]["clause_pass"] and "T9" not in train["short"]["clause_pass"]
+    assert "--long 0.5" in stats["command"]
