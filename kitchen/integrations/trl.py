@@ -166,7 +166,11 @@ class TRLRecipe(StrictModel):
         None, description="Path of a kitchen recipe YAML (e.g. recipes/tiny_mapo.yaml)."
     )
     kitchen: Recipe | None = Field(None, description="The kitchen recipe inline (or `recipe`).")
-    trl: TRLSettings = Field(default_factory=TRLSettings)
+    trl: TRLSettings = Field(
+        default_factory=TRLSettings,
+        description="What only TRL needs (output folder, accumulation, bf16, loggers, any other "
+        "GRPOConfig field); the defaults run the recipe as `kitchen cook` would.",
+    )
 
     @model_validator(mode="after")
     def _one_recipe(self) -> TRLRecipe:
