@@ -11,9 +11,10 @@ at steady state (full, so every insert also evicts), it times one training step'
 operations on a fresh batch of 1,000 samples:
 
 - add       insert the batch (key encoding, validation, eviction)
-- history   `with_history`: the fresh rows plus every stored record in their state groups
+- history   `history`: every stored record in the fresh samples' state groups
 - advantages `buffer.batch` + `mapo.advantages` (mapo preset) over fresh + history rows
-- sample    1,000 rows uniformly, and by |advantage| priority
+- path      the whole of `steps.advantages_for` (add, history, batch, advantages): what one
+            training iteration spends in the buffer
 
 and reports milliseconds per operation, the growth factor between consecutive sizes
 (10× more records → ×? time), and bytes per record.
@@ -29,6 +30,7 @@ import torch
 
 from kitchen import mapo
 from kitchen.buffer import ReplayBuffer
+from kitchen.steps import StepSamples, advantages_for
 
 BATCH = 1000
 
@@ -36,18 +38,19 @@ BATCH = 1000
 def make_batch(gen: torch.Generator, start: int, n: int, n_states: int, tokens: int, version: int):
     states = torch.randint(n_states, (n,), generator=gen).tolist()
     flat = torch.randint(50_000, (n * tokens,), generator=gen)
-    return {
-        "state": [f"{s:016x}" for s in states],
-        "tokens": (flat, torch.full((n,), tokens)),
-        "logp": (-torch.rand(n * tokens, generator=gen), torch.full((n,), tokens)),
-        "local_reward": torch.randn(n, generator=gen),
-        "ret": torch.randn(n, generator=gen),
-        "global_reward": ((torch.arange(start, start + n) // 8) % 3 == 0).float(),  # per rollout
-        "task_group": [f"task{(start + i) // 64}" for i in range(n)],
-        "traj": [f"traj{(start + i) // 8}" for i in range(n)],
-        "turn": torch.arange(start, start + n) % 8,
-        "version": version,
-    }
+    return StepSamples(
+        state=[f"{s:016x}" for s in states],
+        tokens=flat,
+        logp=-torch.rand(n * tokens, generator=gen),
+        tok_len=torch.full((n,), tokens),
+        local_reward=torch.randn(n, generator=gen),
+        ret=torch.randn(n, generator=gen),
+        global_reward=((torch.arange(start, start + n) // 8) % 3 == 0).float(),  # per rollout
+        task_group=[f"task{(start + i) // 64}" for i in range(n)],
+        traj=[f"traj{(start + i) // 8}" for i in range(n)],
+        turn=torch.arange(start, start + n) % 8,
+        version=version,
+    )
 
 
 def timed(fn, repeat: int) -> float:
@@ -67,36 +70,34 @@ def bench(size: int, tokens: int, repeat: int) -> dict[str, float]:
     t0 = time.perf_counter()
     inserted = 0
     while inserted < size:
-        buf.add(**make_batch(gen, inserted, chunk, n_states, tokens, version=0))
+        buf.add(make_batch(gen, inserted, chunk, n_states, tokens, version=0))
         inserted += chunk
     fill = (time.perf_counter() - t0) / inserted * 1e6
     cfg = mapo.PRESETS["mapo"]
-    batches = [
-        make_batch(gen, inserted + i * BATCH, BATCH, n_states, tokens, 1) for i in range(repeat)
-    ]
-    it = iter(batches)
-    add_ms = timed(lambda: buf.add(**next(it)), repeat)
-    fresh = buf.rows()[-BATCH:]
-    hist_ms = timed(lambda: buf.with_history(fresh), repeat)
-    rows, is_fresh = buf.with_history(fresh)
 
-    def advantages():
-        mapo.advantages(buf.batch(rows, fresh=is_fresh), cfg)
+    def batches(first: int):
+        return iter(
+            [make_batch(gen, first + i * BATCH, BATCH, n_states, tokens, 1) for i in range(repeat)]
+        )
 
-    adv_ms = timed(advantages, repeat)
-    sample_ms = timed(lambda: buf.sample(BATCH, generator=gen), repeat)
-    buf.set_priority(buf.rows(), torch.randn(len(buf), generator=gen))
-    prio_ms = timed(lambda: buf.sample(BATCH, priority="abs_adv", generator=gen), repeat)
+    it = batches(inserted)
+    add_ms = timed(lambda: buf.add(next(it)), repeat)
+    fresh = make_batch(gen, inserted + repeat * BATCH, BATCH, n_states, tokens, 1)
+    kept = buf.add(fresh)
+    hist_ms = timed(lambda: buf.history(fresh, exclude=kept), repeat)
+    history = buf.history(fresh, exclude=kept)
+    adv_ms = timed(lambda: mapo.advantages(buf.batch(fresh, history), cfg), repeat)
+    it = batches(inserted + (repeat + 1) * BATCH)
+    path_ms = timed(lambda: advantages_for(next(it), cfg, buf, step=1), repeat)
     mem = buf.memory_per_record()
     return {
         "records": len(buf),
         "fill µs/rec": fill,
         "add ms": add_ms,
         "history ms": hist_ms,
-        "history rows": rows.numel(),
+        "history rows": history.numel(),
         "advantages ms": adv_ms,
-        "sample ms": sample_ms,
-        "priority ms": prio_ms,
+        "path ms": path_ms,
         "B/rec": mem["total"],
         "B/rec alloc": mem["allocated_total"],
     }
@@ -131,9 +132,7 @@ def main() -> None:
         )
     for a, b in zip(results, results[1:], strict=False):
         growth = {
-            c: b[c] / a[c]
-            for c in ("add ms", "history ms", "advantages ms", "sample ms", "priority ms")
-            if a[c] > 0
+            c: b[c] / a[c] for c in ("add ms", "history ms", "advantages ms", "path ms") if a[c] > 0
         }
         print(
             f"{a['records']:>8} → {b['records']:<8} (×{b['records'] / a['records']:.0f} records): "

@@ -8,9 +8,12 @@ Not a test. Run (about two minutes on 2 CPU cores):
 Every preset in `kitchen.mapo.PRESETS` trains on the same `--seeds` worlds of the
 credit-assignment lab (`kitchen.lab`, defaults of `LabConfig`: 4 actions, 3 situations, key turn 1,
 judge noise 0.5, per-situation offset 1.0, K = 8, Adam lr 0.1, target success 0.6) at each
-horizon, until every seed reaches the target or `--updates` run out. Printed: the median number of
-rollouts per seed to reach the target (">B" when most seeds did not within the budget B), the
-mapo/grpo ratio per horizon, and MAPO's ablations at the largest horizon.
+horizon, until every seed reaches the target or `--updates` run out. The comparison varies one
+factor: each preset runs as `mapo.one_factor(preset, mapo)`, its advantage estimator with MAPO's
+state key and loss (in the lab one action is one token, so the loss aggregations coincide anyway:
+`kitchen.lab`, departure 1). Printed: the median number of rollouts per seed to reach the target
+(">B" when most seeds did not within the budget B), the mapo/grpo ratio per horizon, and MAPO's
+ablations at the largest horizon.
 """
 
 from __future__ import annotations
@@ -37,14 +40,17 @@ def main() -> None:
     cfg = lab.LabConfig(updates=args.updates, local_noise=args.noise)
 
     t0 = time.perf_counter()
-    runs = lab.compare(cfg, mapo.PRESETS, horizons, args.seeds)
+    base = mapo.PRESETS["mapo"]
+    presets = {name: mapo.one_factor(p, base) for name, p in mapo.PRESETS.items()}
+    runs = lab.compare(cfg, presets, horizons, args.seeds)
     table = lab.samples_table(runs)
     by = {(r["preset"], r["horizon"]): r for r in table}
     budget = args.updates * cfg.k
 
     print(
         f"median rollouts per seed to reach success ≥ {cfg.target} "
-        f"({args.seeds} seeds, budget {budget}, judge noise {args.noise})\n"
+        f"({args.seeds} seeds, budget {budget}, judge noise {args.noise}; every preset with "
+        "MAPO's state key and loss: the presets differ in their advantage alone)\n"
     )
     print("| preset | " + " | ".join(f"H={h}" for h in horizons) + " |")
     print("|---|" + "---:|" * len(horizons))
@@ -65,7 +71,7 @@ def main() -> None:
     )
 
     h = max(horizons)
-    base = mapo.PRESETS["mapo"].model_dump()
+    base = base.model_dump()
     variants = {
         "mapo (preset)": base,
         "no buffer history": base | {"use_buffer": False},
