@@ -25,7 +25,7 @@ How it stays fast at 10^6 records (benchmarks/bench_buffer.py measures it):
 No operation loops in Python over the stored records; keys of evicted records are forgotten in
 one pass over the key dict once they outnumber live records two to one (amortised).
 
-Departures from the seeds:
+Departures from the method (docs/method.md#replay-buffer):
 1. De-duplication keeps the newest copy of an identical (exact state key, action tokens) sample:
    the older one is evicted. Counting duplicates instead would need weighted group statistics.
    Tokens are compared through a 62-bit hash (two 31-bit polynomial hashes), so a false merge

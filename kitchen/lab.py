@@ -1,8 +1,9 @@
 """The credit-assignment lab: a tabular multi-step task on which every preset trains in seconds.
 
-Seed 001 §6 argues that outcome-only group normalisation (GRPO) assigns credit too coarsely on
-long multi-step tasks, that process rewards fed to GRPO-style groups need a comparison set per
-intermediate state, and that the replay buffer is what supplies it (§7). This module is a world
+The method argues (docs/method.md#credit-assignment) that outcome-only group normalisation (GRPO)
+assigns credit too coarsely on long multi-step tasks, that process rewards fed to GRPO-style
+groups need a comparison set per intermediate state, and that the replay buffer is what supplies
+it (docs/method.md#replay-buffer). This module is a world
 small enough to measure that claim many times over, in pure torch:
 
 - An episode has `horizon` turns. At turn t the agent sees a situation c_t (one of `situations`,
@@ -19,7 +20,7 @@ small enough to measure that claim many times over, in pure torch:
   `state_spread`) and Gaussian noise (`local_noise`). Offsets are what state groups remove and
   turn or batch groups cannot.
 
-`train` runs one preset for many seeds at once (the seeds are a batch dimension: one
+`train` runs one preset for many seeds at once (random seeds are a batch dimension: one
 `ReplayBuffer`, one `mapo.advantages` call and one Adam step per update, rows tagged with their
 seed so no statistic mixes seeds), through exactly the code path a language-model trainer uses:
 `mapo.returns_for` → `steps.StepSamples` → `steps.advantages_for` (the replay buffer where the

@@ -1,6 +1,6 @@
 """MAPO: group-normalised local and global advantages, mixed by α, trained with REINFORCE.
 
-The seeds' optimiser (seed 000 step 6; seed 001 §6–7) is "group normalisation + replay buffer +
+The method's optimiser (docs/method.md#mapo) is "group normalisation + replay buffer +
 REINFORCE": no value network; every step sample gets two advantages and a mix of them,
 
     A_local(s, a)  = z-score of the step's local reward within its *state group*
@@ -20,15 +20,15 @@ Shapes: `N` step samples (one row per agent turn), `B` sequences and `T` tokens 
 Group ids are int64 tensors; any keys may be used, they are made dense with `torch.unique`.
 All reductions are `index_add_` / `scatter_reduce_` over group codes: no Python loop over samples.
 
-Departures from the seeds, and from the sources of the presets:
-1. The seeds normalise "within the group" without saying how a group of one sample or a group
+Departures from the method (docs/method.md), and from the sources of the presets:
+1. The method normalises "within the group" without saying how a group of one sample or a group
    whose rewards are all equal is handled. Here: a zero-variance group gives advantage 0 exactly
    (counted in `group/*_zero_var_frac`); a singleton *state* group falls back to 0, to its
    turn-level group (same task group and turn index), or to batch normalisation (`singleton`).
    A singleton *task* group gives 0, as TRL's GRPO (and verl's vectorised RLOO) do; verl's and
    verl-agent's GRPO instead pass a lone sample's reward through unnormalised (mean 0, std 1).
-2. The seeds leave "local reward" as one scalar per step. We allow its Monte-Carlo return over
-   later steps (`gamma`), since a turn's choice also shapes later turns' verdicts (DESIGN §1).
+2. The method leaves "local reward" as one scalar per step. We allow its Monte-Carlo return over
+   later steps (`gamma`), since a turn's choice also shapes later turns' verdicts (docs/method.md#credit-assignment).
 3. Old samples from the buffer enter the *statistics* of the state groups; by default they do not
    enter the gradient (their log-probs came from an older policy). `replay_in_gradient` adds them
    with truncated importance weights min(π_now/π_old, `is_cap`) (Espeholt et al., 2018).
@@ -166,7 +166,7 @@ def group_normalize(
         A_i = (r_i − b_i) / sqrt(σ²_g + eps)               (scale 'std', eps_mode 'var')
         A_i =  r_i − b_i                                   (scale 'none')
 
-    Edge cases (DESIGN §1): a group of one sample and a group whose values are all equal give
+    Edge cases (docs/method.md#mapo): a group of one sample and a group whose values are all equal give
     A = 0 exactly; both are flagged in the returned `GroupStats`. Non-finite values raise.
 
     values: [N] float. groups: [N] int keys or [N, k] key rows. Returns (A [N], stats).
@@ -297,7 +297,7 @@ def local_advantages(
                   | norm(signal_i | turn group of i)       ('turn')
                   | norm(signal_i | batch of i)            ('batch')
 
-    A state group holds samples with the same state key: the seeds' "same (or similar) state"
+    A state group holds samples with the same state key: the method's "same (or similar) state"
     comparison set, fed by the replay buffer. `turn_groups` ([N] or [N, k]) is the fallback
     group for 'turn': same task group and turn index (the MAPO paper's turn level).
     `batch_groups` ([N], default one batch) separates independent runs for 'batch'.
@@ -364,7 +364,7 @@ def mix(
 ) -> Tensor:
     """The mixed advantage.
 
-    convex:    A = α · A_local + (1 − α) · A_global      (the seeds' MAPO; the MAPO paper)
+    convex:    A = α · A_local + (1 − α) · A_global      (the method's MAPO; the MAPO paper)
     additive:  A = A_global + α · A_local                 (GiGPO's A_E + ω · A_S, ω = α)
     """
     if mode == "additive":
@@ -377,8 +377,8 @@ class AlphaSchedule(StrictModel):
 
     kind: Literal["constant", "linear", "cosine"] = Field(
         "constant",
-        description="'constant' keeps α0. 'linear' and 'cosine' move α0 → α1: the seeds' "
-        "curriculum (seed 000 step 6) trains on the global reward first, so the direction is "
+        description="'constant' keeps α0. 'linear' and 'cosine' move α0 → α1: the method's "
+        "curriculum (docs/method.md#mapo) trains on the global reward first, so the direction is "
         "right, then raises the local weight to polish each step.",
     )
     alpha0: float = Field(0.0, ge=0.0, description="α at update 0.")
@@ -544,7 +544,7 @@ class AdvantageConfig(StrictModel):
         ge=0.0,
         le=1.0,
         description="Discount of the step returns G_t = Σ γ^k r_(t+k) (`returns_for`). 0 uses "
-        "each turn's own reward, the seeds' local reward. GiGPO's scripts use 0.95; the MAPO "
+        "each turn's own reward, the method's local reward. GiGPO's scripts use 0.95; the MAPO "
         "paper's run script 0.85; REINFORCE++ in verl defaults to 1.0.",
     )
     outcome_in_return: bool = Field(
@@ -561,20 +561,20 @@ class AdvantageConfig(StrictModel):
     local_groups: Literal["state", "state_in_task", "turn", "batch"] = Field(
         "state",
         description="Comparison set of a step: 'state' = same state key across task groups and "
-        "the buffer (the seeds); 'state_in_task' = same state inside one task group (GiGPO's "
+        "the buffer (the method); 'state_in_task' = same state inside one task group (GiGPO's "
         "anchor states); 'turn' = same task group and turn index (the MAPO paper); 'batch' = "
         "every step (REINFORCE++).",
     )
     state_key: Literal["exact", "abstract"] = Field(
         "exact",
         description="Which state key the buffer groups by: the exact hash of what the policy saw, "
-        "or the coarser abstract key (similar states). Exact is the seeds' default; abstract "
+        "or the coarser abstract key (similar states). Exact is the method's default; abstract "
         "trades bias for larger groups.",
     )
     singleton: Literal["zero", "turn", "batch"] = Field(
         "zero",
         description="Local advantage of a step alone in its state group: 0 (no evidence; GiGPO), "
-        "its turn-level group's, or batch normalisation's (DESIGN §1).",
+        "its turn-level group's, or batch normalisation's (docs/method.md#mapo).",
     )
     local_norm: Norm = Field(default_factory=Norm, description="Normalisation in local groups.")
     global_signal: Literal["outcome", "return"] = Field(
@@ -595,7 +595,7 @@ class AdvantageConfig(StrictModel):
 
     mix: Literal["convex", "additive"] = Field(
         "convex",
-        description="'convex': α·A_local + (1−α)·A_global (the seeds). 'additive': A_global + "
+        description="'convex': α·A_local + (1−α)·A_global (the method). 'additive': A_global + "
         "α·A_local (GiGPO, α = ω).",
     )
     alpha: AlphaSchedule = Field(
@@ -604,13 +604,13 @@ class AdvantageConfig(StrictModel):
     )
     use_buffer: bool = Field(
         False,
-        description="State groups include the replay buffer's history (the seeds' MAPO). Off: "
+        description="State groups include the replay buffer's history (the method's MAPO). Off: "
         "only the current batch, as every peer does.",
     )
     replay_in_gradient: bool = Field(
         False,
         description="Buffer history also enters the gradient, with truncated importance weights. "
-        "Off by default: old samples only sharpen the group statistics (DESIGN §1).",
+        "Off by default: old samples only sharpen the group statistics (docs/method.md#replay-buffer).",
     )
     is_cap: float = Field(
         1.0,
@@ -635,7 +635,8 @@ class AdvantageConfig(StrictModel):
         "0.04, verl's GRPO examples 0.001.",
     )
     kl: Literal["k1", "k3"] = Field(
-        "k3", description="KL estimator: k3 (low variance, ≥ 0) as DESIGN §1 and GRPO use."
+        "k3",
+        description="KL estimator: k3 (low variance, ≥ 0) as the method (docs/method.md#policy-update) and GRPO use.",
     )
 
     @model_validator(mode="after")
@@ -892,10 +893,10 @@ PRESETS: dict[str, AdvantageConfig] = {
     ),
     "mapo": AdvantageConfig(
         name="mapo",
-        source="The seeds (000 step 6; 001 §6–7) and DESIGN §1: local reward z-scored in exact "
+        source="The method (docs/method.md#mapo): local reward z-scored in exact "
         "state groups that include the replay buffer's history; outcome z-scored in the task "
         "group; α from 0.2 to 0.5 over 200 updates (global first, and the local weight never "
-        "outweighs the global one: seed 000 warns that it invites gaming the judge); a lone "
+        "outweighs the global one: it invites gaming the judge, docs/method.md#reward-hacking); a lone "
         "state falls back to its turn-level group.",
         gamma=0.0,
         local_signal="return",

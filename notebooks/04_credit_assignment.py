@@ -12,11 +12,11 @@ def _(mo):
     GRPO gives every token of a rollout the same advantage: the rollout's outcome, z-scored among
     the K rollouts of the same task. On a one-shot answer that is fine. On a 20-turn dialogue it
     means that the one turn that lost the order and the nineteen turns that were fine get the
-    same blame (seed 001 §6.1). Adding per-turn rewards from the reward model does not fix it by
+    same blame ([the method](../docs/method.md#credit-assignment)). Adding per-turn rewards from the reward model does not fix it by
     itself: a group-relative baseline for turn 7 needs other samples *from the state the agent was
-    in at turn 7*, and sampling them per turn explodes with the horizon (§6.2).
+    in at turn 7*, and sampling them per turn explodes with the horizon.
 
-    MAPO (seed 000 step 6, seed 001 §7) keeps the critic-free recipe and adds a replay buffer:
+    MAPO ([docs/method.md](../docs/method.md#mapo)) keeps the critic-free recipe and adds a replay buffer:
 
     - **local advantage** — the turn's local reward, z-scored within its *state group* (samples
       from the same state, now and from the buffer's history);
@@ -134,7 +134,8 @@ def _(mo):
     batch groups cannot.
 
     Every preset runs through the same code a language-model run uses (`mapo.returns_for` →
-    `ReplayBuffer` → `mapo.advantages` → `mapo.mapo_loss`, Adam on the table). "Samples" are
+    `steps.StepSamples` → `steps.advantages_for`, the replay buffer where the preset uses one →
+    `mapo.mapo_loss`, Adam on the table). "Samples" are
     rollouts drawn from the world; the success rate is computed exactly from the policy.
 
     The controls below change the world and MAPO's own settings; the other presets keep their

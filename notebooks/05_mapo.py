@@ -9,13 +9,14 @@ def _(mo):
     mo.md(r"""
     # 05 · MAPO: the training loop, live
 
-    Everything so far meets here. One iteration of the loop (seed 000, step 7):
+    Everything so far meets here. One iteration of the loop ([docs/method.md](../docs/method.md#policy-update)):
 
     1. sample tasks and diners, and personalise the constitution for each (cached);
     2. roll out **K** dialogues per (task, diner) with the policy;
     3. the **GRM** reviews every turn against every clause → a *local* reward per turn;
        the world's outcome → a *global* reward per dialogue;
-    4. the step samples go into the **replay buffer**;
+    4. the step samples (one per trainable turn) go into the **replay buffer** (for presets that
+       use one: `mapo`);
     5. **advantages**: the local reward z-scored among samples in the same state (now and from
        the buffer), the global one within the task group, mixed `α·local + (1−α)·global`;
     6. **REINFORCE** with a KL penalty to the SFT model (the base with the LoRA adapter off).
@@ -57,8 +58,8 @@ def _(mo):
     ## 1 · The knobs
 
     `grpo` is outcome-only (α = 0). `mapo` adds the step-level term from state groups backed by
-    the buffer, with α growing on a schedule: global first, local later (seed 000 warns that a
-    large local weight invites gaming the reviewer). The reviewer can be the GRM (the method) or
+    the buffer, with α growing on a schedule: global first, local later (a large local weight
+    invites gaming the reviewer: [docs/method.md](../docs/method.md#reward-hacking)). The reviewer can be the GRM (the method) or
     the rule judge (an oracle: what a perfect GRM would give).
     """)
     return
@@ -263,7 +264,7 @@ def _(mo):
     mo.md(r"""
     ## Key points
 
-    - The loop is the seeds' pseudo-code made concrete: personalise → roll out K → review →
+    - The loop is the method's pseudo-code made concrete: personalise → roll out K → review →
       buffer → group-normalised local and global advantages → REINFORCE + KL.
     - The KL reference costs no memory: it is the same base with the adapter switched off.
     - Watch the GRM's view (`clause/…`) against the judge's (`judge/…`): a widening gap is reward

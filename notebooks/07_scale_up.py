@@ -11,7 +11,7 @@ def _(mo):
 
     Everything so far ran in the kit's own loop (`kitchen cook`, notebook 05): one process, one
     GPU or a CPU. When a policy outgrows that, the kit does not grow a distributed runtime of
-    its own (DESIGN §6). The recipe — constitution, personalisation, the GRM's review, local
+    its own ([docs/method.md](../docs/method.md#scaling)). The recipe — constitution, personalisation, the GRM's review, local
     and global rewards, the MAPO preset — moves to an engine that already shards models and
     batches, through that engine's public extension points:
 

@@ -397,7 +397,7 @@ def test_mapo_paper_turn_and_batch_levels():
 
 
 def test_mapo_state_groups_span_task_groups_and_history():
-    """The seeds' MAPO: one state group across task groups and buffer history; history rows only
+    """The method's MAPO: one state group across task groups and buffer history; history rows only
     add statistics (they are not in the gradient by default)."""
     cfg = mapo.preset("mapo", alpha={"kind": "constant", "alpha0": 1.0})
     batch = StepBatch(

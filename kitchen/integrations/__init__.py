@@ -1,6 +1,6 @@
 """Beyond one GPU: the kit's reward and advantage inside existing distributed engines.
 
-DESIGN §6: the kit grows no distributed runtime of its own. When a run outgrows one GPU, the
+docs/method.md#scaling: the kit grows no distributed runtime of its own. When a run outgrows one GPU, the
 same recipe — constitution, personalisation, GRM review, local and global rewards, the MAPO
 advantage preset — moves to an engine that already shards models and batches:
 

@@ -1,6 +1,6 @@
 """Launch files for many GPUs: accelerate configs (DDP, DeepSpeed ZeRO-2/3, FSDP2) and verl's.
 
-DESIGN §6: when one GPU is not enough, hand over to an existing engine with a documented launch.
+docs/method.md#scaling: when one GPU is not enough, hand over to an existing engine with a documented launch.
 
 Generated, not hand-written: `files()` renders every file from a few parameters and
 `write_files()` writes them to `recipes/scale/` (the shipped copies; a test keeps the two
