@@ -625,6 +625,7 @@ class Run:
         """Run one iteration of the algorithm (module docstring); returns its metrics row."""
         r, it, k = self.recipe, self.iteration, self.recipe.rollout.k
         torch.manual_seed(r.seed * 100_003 + it)  # dropout, minibatch order: replayable
+        # 1. roll out K episodes per job
         jobs = self._jobs(it)
         pcs = [pc for _, pc, _ in jobs for _ in range(k)]
         trajs, stats = rollout(
@@ -636,14 +637,17 @@ class Run:
             menu=self.menu,
             group_prefix=f"it{it}:",
         )
+        # 2. review every episode (the rule judge too: it is what the metrics trust)
         t0 = time.perf_counter()
         judged = [judge(t, pc, self.menu) for t, pc in zip(trajs, pcs, strict=True)]
         reviews = judged if self.grm is None else self.grm.review(trajs, pcs)
         review_seconds = time.perf_counter() - t0
+        # 3. rewards per turn and per episode → one step sample per trainable turn
         rewards = episode_rewards(trajs, reviews, pcs, r.reward)
         samples = step_samples(
             trajs, rewards, self.adv_cfg, lambda i: f"it{it}:job{i // k}", version=it
         )
+        # 4. advantages (through the buffer where the preset uses one), 5. REINFORCE + KL
         scored, update = None, {}
         if len(samples):
             scored = advantages_for(samples, self.adv_cfg, self.buffer, step=it)
@@ -651,6 +655,7 @@ class Run:
             update = self._update(scored)
         self.buffer.advance(it + 1)
 
+        # bookkeeping: metrics from what the iteration produced, what notebooks browse, logs
         x = Iteration(
             it, trajs, pcs, stats, reviews, judged, review_seconds, rewards, samples, scored, update
         )
