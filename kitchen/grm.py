@@ -671,55 +671,95 @@ class GRM:
         prompts: Sequence[list[dict[str, str]]],
         windows: Sequence[tuple[int, int, int]] | None = None,
     ) -> list[list[str]]:
-        """`cfg.samples` completions per chat prompt, generated in batches (left padding).
+        """`cfg.samples` completions per chat prompt, `cfg.batch_size` prompts decoded together.
 
         `windows[i] = (first, last, clauses)` of prompt i turns on the structure constraint
-        (`cfg.structured`, `ReviewStructure`) for it; without, generation is free.
+        (`cfg.structured`, `ReviewStructure`) for it; without, generation is free. Decoding runs
+        on `kitchen.engine` (the samples of a prompt share its prefill, finished reviews leave
+        the batch); a model the engine cannot serve uses transformers' `generate`, with the
+        reason logged. Sampling (`samples > 1` or `temperature > 0`) draws its seeds from torch's
+        global generator, so `torch.manual_seed` makes reviews repeatable, as before.
         """
         import torch
 
+        from kitchen.engine import Engine, SamplingParams, fallback_reason, lora_merged
+
         cfg, tok, model = self.cfg, self.tok, self.model
-        out: list[list[str]] = []
         sampling = cfg.samples > 1 or cfg.temperature > 0
-        for start in range(0, len(prompts), cfg.batch_size):
-            chunk = prompts[start : start + cfg.batch_size]
-            texts = [
-                tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-                for p in chunk
-            ]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(
-                model.device
-            )
-            kwargs: dict[str, Any] = {
-                "max_new_tokens": cfg.max_new_tokens,
-                "num_return_sequences": cfg.samples,
-                "pad_token_id": tok.pad_token_id,
-                "eos_token_id": tok.eos_token_id,
-            }
-            if sampling:
-                kwargs |= {
-                    "do_sample": True,
-                    "temperature": max(cfg.temperature, 1e-3),
-                    "top_p": 1.0,
-                    "top_k": 0,
-                }
-            else:
-                kwargs |= {"do_sample": False}
-            if windows is not None and cfg.structured:
-                spans = windows[start : start + cfg.batch_size]
-                kwargs["prefix_allowed_tokens_fn"] = ReviewStructure(
-                    self._vocab(), enc["input_ids"].shape[1], spans, cfg.samples
+        structure = (
+            ReviewStructure(self._vocab(), 0, windows, cfg.samples)
+            if windows is not None and cfg.structured
+            else None
+        )
+        with torch.no_grad(), _adapter(model, cfg.adapter):
+            if not fallback_reason(model, "kitchen.grm"):
+                ids = [
+                    tok(
+                        tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False,
+                    )["input_ids"]
+                    for p in prompts
+                ]
+                rows = [ids[k] for k in range(len(ids)) for _ in range(cfg.samples)]
+                base = int(torch.randint(0, 2**62, (1,))) if sampling else 0
+                params = SamplingParams(
+                    max_new_tokens=cfg.max_new_tokens,
+                    eos_token_id=tok.eos_token_id,
+                    temperature=max(cfg.temperature, 1e-3) if sampling else 0.0,
                 )
-            with torch.no_grad(), _adapter(model, cfg.adapter):
+                engine = Engine(model, max_rows=cfg.batch_size * cfg.samples)
+                with lora_merged(model):
+                    outs = engine.generate(
+                        rows,
+                        params,
+                        [base + r for r in range(len(rows))],
+                        constraint=structure.allowed if structure is not None else None,
+                    )
+                decoded = [tok.decode(o.tokens, skip_special_tokens=True) for o in outs]
+                n = cfg.samples
+                return [decoded[k * n : (k + 1) * n] for k in range(len(prompts))]
+            out: list[list[str]] = []
+            for start in range(0, len(prompts), cfg.batch_size):
+                chunk = prompts[start : start + cfg.batch_size]
+                texts = [
+                    tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                    for p in chunk
+                ]
+                enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(
+                    model.device
+                )
+                kwargs: dict[str, Any] = {
+                    "max_new_tokens": cfg.max_new_tokens,
+                    "num_return_sequences": cfg.samples,
+                    "pad_token_id": tok.pad_token_id,
+                    "eos_token_id": tok.eos_token_id,
+                }
+                if sampling:
+                    kwargs |= {
+                        "do_sample": True,
+                        "temperature": max(cfg.temperature, 1e-3),
+                        "top_p": 1.0,
+                        "top_k": 0,
+                    }
+                else:
+                    kwargs |= {"do_sample": False}
+                if structure is not None:
+                    spans = windows[start : start + cfg.batch_size]
+                    kwargs["prefix_allowed_tokens_fn"] = ReviewStructure(
+                        self._vocab(), enc["input_ids"].shape[1], spans, cfg.samples
+                    )
                 seqs = model.generate(**enc, **kwargs)
-            new = seqs[:, enc["input_ids"].shape[1] :]  # [B * samples, new]
-            decoded = tok.batch_decode(new, skip_special_tokens=True)
-            out += [decoded[k * cfg.samples : (k + 1) * cfg.samples] for k in range(len(chunk))]
-        return out
+                new = seqs[:, enc["input_ids"].shape[1] :]  # [B * samples, new]
+                decoded = tok.batch_decode(new, skip_special_tokens=True)
+                n = cfg.samples
+                out += [decoded[k * n : (k + 1) * n] for k in range(len(chunk))]
+            return out
 
 
 class ReviewStructure:
-    """`prefix_allowed_tokens_fn` for `generate`: the review language's line structure.
+    """The review language's line structure, as a decoding constraint: `allowed(row, generated)`
+    for `kitchen.engine`, and the same rule as `generate`'s `prefix_allowed_tokens_fn` (`__call__`,
+    which reads the generated ids after `prompt_len`).
 
     Per generated row (prompt `row // samples` of the batch, judging turns `first..last` under
     `clauses` active clauses), at the start of each line after `critique:` only these may begin:
@@ -751,11 +791,13 @@ class ReviewStructure:
             if piece:
                 self.by_first.setdefault(piece[0], []).append(i)
         self.texts: dict[int, tuple[int, str]] = {}  # row -> (tokens seen, text)
+        self.starts: dict[int, tuple[int, list[str] | None]] = {}  # row -> (last "\n", starts)
 
     def _text(self, row: int, ids: list[int]) -> str:
         seen, text = self.texts.get(row, (0, ""))
         if seen > len(ids):  # a new generate call reusing the object: start over
             seen, text = 0, ""
+            self.starts.pop(row, None)
         text += "".join(self.vocab[i] if i < len(self.vocab) else "" for i in ids[seen:])
         self.texts[row] = (len(ids), text)
         return text
@@ -785,16 +827,24 @@ class ReviewStructure:
         starts.append(f"t{k + 1} " if k < last else "verdicts:")
         return starts
 
-    def __call__(self, row: int, input_ids: Any) -> list[int]:
-        text = self._text(row, input_ids[self.prompt_len :].tolist())
-        starts = self.allowed_starts(row, text)
+    def allowed(self, row: int, generated: Sequence[int]) -> list[int] | None:
+        """The token ids row `row` may write next after `generated`, or None (any): the
+        constraint as `kitchen.engine` takes it. The line structure is recomputed only when a
+        line ends; until then the current line is matched against the cached starts."""
+        text = self._text(row, list(generated))
+        cut = text.rfind("\n")
+        cached = self.starts.get(row)
+        if cached is None or cached[0] != cut:
+            cached = (cut, self.allowed_starts(row, text))
+            self.starts[row] = cached
+        starts = cached[1]
         if not starts:
-            return self.everything
-        line = text.split("\n")[-1]
+            return None
+        line = text[cut + 1 :]
         allowed: list[int] = []
         for start in starts:
             if line.startswith(start):
-                return self.everything  # the marker is written: the rest is the model's
+                return None  # the marker is written: the rest is the model's
             if not start.startswith(line):
                 continue
             rest = start[len(line) :]
@@ -803,7 +853,12 @@ class ReviewStructure:
                 for i in self.by_first.get(rest[0], [])
                 if rest.startswith(self.vocab[i]) or self.vocab[i].startswith(rest)
             ]
-        return allowed or self.everything
+        return allowed or None
+
+    def __call__(self, row: int, input_ids: Any) -> list[int]:
+        """`generate`'s `prefix_allowed_tokens_fn`: the allowed ids (all of them when free)."""
+        allowed = self.allowed(row, input_ids[self.prompt_len :].tolist())
+        return self.everything if allowed is None else allowed
 
 
 def _assemble(traj: Trajectory, pc: PersonalConstitution, windows: Sequence[Review]) -> Review:

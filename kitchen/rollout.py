@@ -1,30 +1,52 @@
 """Batched multi-turn rollouts: K samples per (task, profile), played against the concierge world.
 
-Seed 000 (pseudo-code line 5): `trajs = policy.rollout(prompts, num_samples=K)`. Here every
-episode of a batch advances one assistant turn at a time: the prompts of all live episodes are
-rendered with the model's chat template, generated together (left padding, KV cache inside
-`generate`), and each action goes to its own `World`, which executes tools and plays the diner.
+The method's loop (docs/method.md#mapo) starts with `trajs = policy.rollout(prompts, K)`: here
+every episode advances one assistant turn at a time — its prompt is rendered with the model's
+chat template, sampled together with the other episodes', and each action goes to its own
+`World`, which executes tools and plays the diner.
+
+Two decoding paths, one behaviour (`RolloutConfig.engine`):
+
+- **fast** (default) — `kitchen.engine`: every episode is a row of one batch for the whole
+  rollout. Its KV cache stays across turns, so a turn prefills only what is new (the tool or
+  diner message and the generation prompt); a turn that ends goes to the world (and the guard)
+  at once and the episode's next turn is queued, without waiting for the batch's longest turn;
+  episodes that end leave the batch, and queued ones (beyond `batch_size`) take their places.
+  Each turn samples from its own random stream, seeded by the rollout seed, the episode's id,
+  the turn and the guard attempt: an episode plays the same whether it shares its batch with 31
+  others or runs alone. A LoRA adapter is merged into its base while the rollout runs, where
+  that is exact (`kitchen.engine.lora_merged`).
+- **generate** — transformers' `generate` on the live episodes, re-packed into batches and
+  re-reading the whole conversation every turn. It is also what a model the engine cannot serve
+  (`kitchen.engine.unsupported`) falls back to, with the reason logged once and kept in
+  `RolloutStats.fallback`.
 
 Per assistant turn the trajectory records the generated token ids (including the end-of-turn
 token, so training also teaches the policy to stop) and their log-probabilities under the policy
-at collection — computed once, from the logits `generate` already produced, and reused by the loss
-as the "old" log-probs of importance weights. A turn that hits `max_new_tokens` before its stop
-token is marked `truncated`: the world still sees its text, but the trainer masks it out.
+at collection, reused by the loss as the "old" log-probs of importance weights. A turn that hits
+`max_new_tokens` before its stop token is marked `truncated`: the world still sees its text, but
+the trainer masks it out. `RolloutStats` counts tokens, turns and prefill work
+(`prefill_per_token`: tokens read before sampling per token generated).
 
 Departures:
 1. Recorded log-probs are those of the policy itself (temperature 1), even when sampling at
-   another temperature: the loss needs log π, not the log-prob of the tempered sampler.
-2. The prompt re-renders the whole conversation each turn (the KV cache lives inside one
-   `generate` call). Keeping caches across turns would save prefill but ties every episode's
-   cache to the batch's padding; for dialogues of a few hundred tokens the prefill is cheap.
+   another temperature: the loss needs log π, not the log-prob of the tempered sampler
+   (docs/method.md#policy-update).
+2. The two paths draw different random numbers: with the same seed they play different (equally
+   distributed) episodes. Greedy decoding, the log-probs and the stopping rules are the same.
+3. A stop string ends a turn at the token that completes it; `generate` pads the rows it stops
+   early, and those pads are cut off here so they never reach the trajectory. A turn is
+   truncated only when it ran out of tokens with neither the end-of-turn token nor a stop
+   string.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -32,6 +54,8 @@ from pydantic import Field
 from kitchen.config import StrictModel
 from kitchen.constitution import PersonalConstitution
 from kitchen.world import DEFAULT_MAX_TURNS, Menu, Task, Trajectory, World, load_menu
+
+Candidate = tuple[list[int], str, list[float], bool]  # token ids, text, log-probs, truncated
 
 
 class RolloutConfig(StrictModel):
@@ -62,6 +86,14 @@ class RolloutConfig(StrictModel):
         description="Extra stop strings besides the model's end-of-turn token.",
     )
     batch_size: int = Field(64, ge=1, description="Episodes generated together.")
+    engine: Literal["fast", "generate"] = Field(
+        "fast",
+        description="fast: kitchen.engine — KV caches kept across turns, so a turn prefills only "
+        "the new messages (several times faster on the tiny policy; see "
+        "benchmarks/bench_rollout.py). generate: transformers' generate, re-reading the whole "
+        "dialogue every turn. A model the fast engine cannot serve uses generate, with the "
+        "reason logged. Default fast.",
+    )
 
 
 @dataclass
@@ -71,11 +103,19 @@ class RolloutStats:
     tokens: int = 0
     truncated: int = 0
     seconds: float = 0.0
+    prefill_tokens: int = 0  # tokens read before sampling, padding included
+    engine: str = ""  # the path that ran: fast or generate
+    fallback: str = ""  # why the fast engine was not used, when it was asked for
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def prefill_per_token(self) -> float:
+        """Prefill tokens read per generated token: what re-reading the dialogue costs."""
+        return self.prefill_tokens / self.tokens if self.tokens else 0.0
 
 
 def prompt_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
@@ -87,6 +127,18 @@ def render_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> str:
     return tokenizer.apply_chat_template(
         prompt_messages(messages), tokenize=False, add_generation_prompt=True
     )
+
+
+def prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """The token ids of `render_prompt` (what the policy reads before its next action)."""
+    return tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
+
+
+def episode_seed(seed: int, episode: str, turn: int, attempt: int) -> int:
+    """The random stream of one episode's turn on the fast path: a hash, not Python's `hash`
+    (which changes between processes), so a resumed run replays the same episodes."""
+    h = hashlib.blake2b(f"{seed}:{episode}:{turn}:{attempt}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def rollout(
@@ -103,10 +155,13 @@ def rollout(
     """Play `cfg.k` episodes for each (task, personal constitution, diner values) job.
 
     Returns the trajectories (job-major: the K samples of job j are `[j*K:(j+1)*K]`) and stats.
-    Sampling is seeded (`seed`, the turn and the batch), so a resumed run replays the same
-    episodes. `guard(pc)` (e.g. `AxiomGuard`) checks every action before the diner sees it;
-    blocked actions are regenerated, a fallback turn is marked `guarded` and never trained on.
+    Sampling is seeded (`seed`; on the fast path also each episode's id, the turn and the guard
+    attempt), so a resumed run replays the same episodes. `guard(pc)` (e.g. `AxiomGuard`) checks
+    every action before the diner sees it; blocked actions are regenerated, a fallback turn is
+    marked `guarded` and never trained on.
     """
+    from kitchen.engine import fallback_reason, lora_merged
+
     cfg = cfg or RolloutConfig()
     menu = menu or load_menu()
     worlds: list[World] = []
@@ -126,63 +181,120 @@ def rollout(
             )
             worlds.append(w)
             guards.append(g)
-    stats = RolloutStats(episodes=len(worlds))
+    stats = RolloutStats(episodes=len(worlds), engine=cfg.engine)
+    if cfg.engine == "fast":
+        reason = fallback_reason(model, "kitchen.rollout")
+        if reason:
+            stats.engine, stats.fallback = "generate", reason
     start = time.perf_counter()
     was_training = model.training
     model.eval()
     try:
-        for turn in range(cfg.max_turns):
-            live = [i for i, w in enumerate(worlds) if not w.traj.done]
-            if not live:
-                break
-            for b in range(0, len(live), cfg.batch_size):
-                rows = live[b : b + cfg.batch_size]
-                _play_turn(
-                    model,
-                    tokenizer,
-                    [worlds[i] for i in rows],
-                    [guards[i] for i in rows],
-                    cfg,
-                    stats,
-                    seed=seed * 7919 + turn * 131 + b,
-                )
+        if stats.engine == "fast":
+            with lora_merged(model) as merged:
+                stats.extra["engine/lora_merged"] = merged
+                _play_fast(model, tokenizer, worlds, guards, cfg, stats, seed)
+        else:
+            _play_generate(model, tokenizer, worlds, guards, cfg, stats, seed)
     finally:
         model.train(was_training)
     stats.seconds = time.perf_counter() - start
     return [w.traj for w in worlds], stats
 
 
-def _fits(tok: Any, model: Any, batch: list[World], cfg: RolloutConfig) -> list[World]:
-    """End (honestly, as 'context') the episodes whose conversation no longer fits the model."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if limit is None:
-        return batch
-    keep = []
-    for w in batch:
-        n = len(tok(render_prompt(tok, w.traj.messages), add_special_tokens=False)["input_ids"])
-        if n + cfg.max_new_tokens > limit:
-            w.traj.done, w.traj.end = True, "context"
-            w.traj.outcome = w.outcome(w.traj)
-        else:
-            keep.append(w)
-    return keep
+def _play_fast(model, tok, worlds, guards, cfg, stats, seed) -> None:
+    """The fast path: every episode is a row of one engine batch for the whole rollout; a turn
+    that ends goes to its world (and guard) at once, and the episode's next turn is queued."""
+    from kitchen.engine import Engine, Request, SamplingParams
+
+    engine = Engine(model, max_rows=cfg.batch_size)
+    params = SamplingParams(
+        max_new_tokens=cfg.max_new_tokens,
+        eos_token_id=tok.eos_token_id,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        stop_strings=tuple(cfg.stop_strings),
+    )
+    prompts: dict[int, list[int]] = {}
+    attempts: dict[int, int] = {}
+
+    def next_turn(i: int, attempt: int = 0) -> tuple[list[int], int] | None:
+        w = worlds[i]
+        if w.traj.done:
+            return None
+        if attempt == 0:
+            prompts[i] = prompt_ids(tok, w.traj.messages)
+            if not _fits(model, [w], [prompts[i]], cfg)[0]:
+                return None
+        attempts[i] = attempt
+        return prompts[i], episode_seed(seed, w.traj.id, len(w.traj.turns), attempt)
+
+    def on_done(i: int, c: Any) -> tuple[list[int], int] | None:
+        text = tok.decode(c.tokens, skip_special_tokens=True)
+        stats.tokens += len(c.tokens)
+        if _take(worlds[i], guards[i], attempts[i], c.tokens, text, c.logprobs, c.truncated, stats):
+            return next_turn(i)
+        return next_turn(i, attempts[i] + 1)
+
+    requests = []
+    for i in range(len(worlds)):
+        first = next_turn(i)
+        if first is not None:
+            requests.append(Request(i, *first))
+    engine.serve(requests, params, on_done, tokenizer=tok)
+    stats.prefill_tokens += engine.stats.prefill_tokens
+    stats.extra |= {
+        "engine/prefill_real": engine.stats.prefill_real,
+        "engine/decode_steps": engine.stats.decode_steps,
+        "engine/decode_rows": engine.stats.decode_rows,
+        "engine/riders": engine.stats.riders,
+        "engine/prefill_forwards": engine.stats.prefill_forwards,
+    }
 
 
-def _sample(
-    model: Any, tok: Any, batch: list[World], cfg: RolloutConfig, seed: int
-) -> list[tuple[list[int], str, list[float], bool]]:
-    """One candidate action per episode: (token ids, text, log-probs, truncated)."""
-    eos = tok.eos_token_id
-    texts = [render_prompt(tok, w.traj.messages) for w in batch]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    prompt_len = enc["input_ids"].shape[1]
+def _play_generate(model, tok, worlds, guards, cfg, stats, seed) -> None:
+    """The generate path: the live episodes re-packed into batches every turn."""
+    for turn in range(cfg.max_turns):
+        live = [i for i, w in enumerate(worlds) if not w.traj.done]
+        if not live:
+            break
+        for b in range(0, len(live), cfg.batch_size):
+            rows = live[b : b + cfg.batch_size]
+            sampler = _generate_sampler(model, tok, cfg, seed * 7919 + turn * 131 + b)
+            _play_turn(model, tok, worlds, guards, rows, cfg, stats, sampler)
+
+
+# A sampler: (episode indices, their prompt ids, guard attempt, stats) -> one candidate each
+Sampler = Callable[[list[int], list[list[int]], int, RolloutStats], list[Candidate]]
+
+
+def _generate_sampler(model: Any, tok: Any, cfg: RolloutConfig, seed: int) -> Sampler:
+    def sample(idx, prompts, attempt, stats):
+        return _sample_generate(model, tok, prompts, cfg, seed + 7 * attempt, stats)
+
+    return sample
+
+
+def _sample_generate(
+    model: Any,
+    tok: Any,
+    prompts: list[list[int]],
+    cfg: RolloutConfig,
+    seed: int,
+    stats: RolloutStats,
+) -> list[Candidate]:
+    """One candidate per prompt from transformers' `generate` (left padding, one shared seed)."""
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ids.device)
     kwargs: dict[str, Any] = {
         "max_new_tokens": cfg.max_new_tokens,
         "do_sample": True,
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
         "top_k": 0,
-        "pad_token_id": tok.pad_token_id,
+        "pad_token_id": pad,
         "eos_token_id": eos,
         "output_logits": True,
         "return_dict_in_generate": True,
@@ -191,55 +303,101 @@ def _sample(
         kwargs |= {"stop_strings": cfg.stop_strings, "tokenizer": tok}
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        out = model.generate(**enc, **kwargs)
-    new = out.sequences[:, prompt_len:]  # [B, L]
+        out = model.generate(input_ids=ids, attention_mask=attn, **kwargs)
+    stats.prefill_tokens += ids.numel()
+    new = out.sequences[:, width:]  # [B, L]
     logits = torch.stack(out.logits, dim=1).float()  # [B, L, V]: raw, before the temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1)  # [B, L]
     result = []
-    for row in range(len(batch)):
-        ids = new[row].tolist()
-        n = ids.index(eos) + 1 if eos in ids else len(ids)
-        text = tok.decode(ids[:n], skip_special_tokens=True)
-        truncated = eos not in ids[:n]
-        if truncated and cfg.stop_strings:  # a stop string ends the turn too
-            truncated = not any(text.rstrip().endswith(s) for s in cfg.stop_strings)
-        result.append((ids[:n], text, logp[row, :n].tolist(), truncated))
+    for row in range(len(prompts)):
+        ids_row = new[row].tolist()
+        n = ids_row.index(eos) + 1 if eos in ids_row else len(ids_row)
+        truncated = eos not in ids_row[:n]
+        if truncated and cfg.stop_strings:  # a stop string ends the turn too: cut the padding
+            n = _stop_end(tok, ids_row[:n], cfg.stop_strings) or n
+        text = tok.decode(ids_row[:n], skip_special_tokens=True)
+        if truncated and cfg.stop_strings:
+            truncated = not any(s in text for s in cfg.stop_strings)
+        result.append((ids_row[:n], text, logp[row, :n].tolist(), truncated))
     return result
+
+
+def _stop_end(tok: Any, ids: list[int], stops: Sequence[str]) -> int | None:
+    """Length of the shortest prefix of `ids` whose text contains a stop string, if any."""
+    for n in range(1, len(ids) + 1):
+        if any(s in tok.decode(ids[:n]) for s in stops):
+            return n
+    return None
+
+
+def _fits(model: Any, worlds: list[World], prompts: list[list[int]], cfg: RolloutConfig) -> list:
+    """End (honestly, as 'context') the episodes whose conversation no longer fits the model;
+    return the flags of those that still fit."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    fits = []
+    for w, p in zip(worlds, prompts, strict=True):
+        ok = limit is None or len(p) + cfg.max_new_tokens <= limit
+        if not ok:
+            w.traj.done, w.traj.end = True, "context"
+            w.traj.outcome = w.outcome(w.traj)
+        fits.append(ok)
+    return fits
 
 
 def _play_turn(
     model: Any,
     tok: Any,
-    batch: list[World],
+    worlds: list[World],
     guards: list[Any],
+    rows: list[int],
     cfg: RolloutConfig,
     stats: RolloutStats,
-    seed: int,
+    sample: Sampler,
 ) -> None:
-    keep = set(map(id, _fits(tok, model, batch, cfg)))
-    pending = [(w, g) for w, g in zip(batch, guards, strict=True) if id(w) in keep]
-    budget = max((g.budget for _, g in pending if g is not None), default=0)
+    """One assistant turn for episodes `rows` (the generate path): sample, check, step."""
+    prompts = {i: prompt_ids(tok, worlds[i].traj.messages) for i in rows}
+    fits = _fits(model, [worlds[i] for i in rows], [prompts[i] for i in rows], cfg)
+    pending = [i for i, ok in zip(rows, fits, strict=True) if ok]
+    budget = max((guards[i].budget for i in pending if guards[i] is not None), default=0)
     for attempt in range(budget + 1):
         if not pending:
             break
-        cands = _sample(model, tok, [w for w, _ in pending], cfg, seed + 7 * attempt)
+        cands = sample(pending, [prompts[i] for i in pending], attempt, stats)
         stats.tokens += sum(len(c[0]) for c in cands)
-        retry = []
-        for (w, g), (ids, text, logp, truncated) in zip(pending, cands, strict=True):
-            if g is not None and g.violations(w.traj, text):
-                bad = g.violations(w.traj, text)
-                last = attempt >= g.budget
-                g.log.append(_interception(w, attempt, text, bad, last))
-                stats.extra["guard/blocked"] = stats.extra.get("guard/blocked", 0) + 1
-                if not last:
-                    retry.append((w, g))
-                    continue
-                w.step(g.fallback, guarded=True)
-            else:
-                w.step(text, tokens=ids, logprobs=logp, truncated=truncated)
-                stats.truncated += truncated
-            stats.turns += 1
-        pending = retry
+        pending = [
+            i
+            for i, (ids, text, logp, truncated) in zip(pending, cands, strict=True)
+            if not _take(worlds[i], guards[i], attempt, ids, text, logp, truncated, stats)
+        ]
+
+
+def _take(
+    w: World,
+    g: Any,
+    attempt: int,
+    ids: list[int],
+    text: str,
+    logp: list[float],
+    truncated: bool,
+    stats: RolloutStats,
+) -> bool:
+    """Hand a candidate action to its world, unless the guard blocks it; False = regenerate.
+
+    A blocked candidate is logged; at the guard's last attempt its fallback message is played
+    instead (marked `guarded`, never trained on)."""
+    bad = g.violations(w.traj, text) if g is not None else []
+    if bad:
+        last = attempt >= g.budget
+        g.log.append(_interception(w, attempt, text, bad, last))
+        stats.extra["guard/blocked"] = stats.extra.get("guard/blocked", 0) + 1
+        if not last:
+            return False
+        w.step(g.fallback, guarded=True)
+    else:
+        w.step(text, tokens=ids, logprobs=logp, truncated=truncated)
+        stats.truncated += truncated
+    stats.turns += 1
+    return True
 
 
 def _interception(w: World, attempt: int, text: str, bad: list[tuple[str, str]], last: bool):
