@@ -108,8 +108,10 @@ from kitchen.world import Trajectory, load_menu
 
 try:  # the trainer subclass needs TRL (a core dependency); the rest of the module does not
     from trl import GRPOConfig, GRPOTrainer
+    from trl.models import unwrap_model_for_generation
 except ImportError:  # pragma: no cover - TRL is a core dependency
     GRPOConfig = GRPOTrainer = object  # type: ignore[assignment,misc]
+    unwrap_model_for_generation = None
 
 TESTED_TRL = ("1.16.0",)
 
@@ -463,8 +465,6 @@ def _generation_model(trainer: Any):
     if not hasattr(trainer, "model_wrapped"):
         yield trainer.model
         return
-    from trl.models import unwrap_model_for_generation
-
     summon = getattr(getattr(trainer, "_dist", None), "summon_full_params", None)
     with (
         unwrap_model_for_generation(
