@@ -1,0 +1,168 @@
+"""The GRM's training data: near misses, adversarial samples, class balance, rows, the writer."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from kitchen.critique import parse_review
+from kitchen.files import read_jsonl
+from kitchen.grmdata import (
+    GRMDataSettings,
+    adversarial,
+    balance,
+    cells,
+    mix_table,
+    near_miss,
+    pool,
+    read_labelled,
+    resize,
+    rows,
+    swap_dish,
+    write_grm_data,
+)
+from kitchen.injection import attacks, message_flags
+from kitchen.judge import judge
+from kitchen.scripted import GRM_QUIRKS, SFT_QUIRKS, episodes
+from kitchen.world import load_menu, word_count
+
+
+@pytest.fixture(scope="module")
+def dialogues():
+    return episodes(120, split="train", seed=11, quirks=SFT_QUIRKS, long_share=0.5)
+
+
+def _window(prompt: str) -> tuple[int, int]:
+    first, last = re.search(r"review turns t(\d+)-t(\d+)$", prompt).groups()
+    return int(first), int(last)
+
+
+def test_resize_gives_exact_lengths_and_keeps_the_dishes(dialogues):
+    menu = load_menu()
+    done = 0
+    for traj, _ in dialogues[:40]:
+        for info in traj.turns:
+            if info.action.kind != "say":
+                continue
+            text = info.action.text
+            for words in (3, word_count(text) + 1, 40):
+                out = resize(traj, info.turn, words, menu)
+                if out is None:
+                    continue
+                new = out.turns[info.turn].action.text
+                assert word_count(new) == words
+                assert [d.name for d in menu.mentioned(new)] == [
+                    d.name for d in menu.mentioned(text)
+                ]
+                done += 1
+    assert done > 50
+
+
+def test_swap_dish_rewrites_the_call_and_the_tools_answer(dialogues):
+    menu = load_menu()
+    traj, pc = next(
+        (t, p) for t, p in dialogues if any(i.action.tool == "allergens" for i in t.turns)
+    )
+    turn = next(i.turn for i in traj.turns if i.action.tool == "allergens")
+    old = traj.turns[turn].action.argument
+    new = next(d for d in menu.dishes if d.name != old)
+    out = swap_dish(traj, turn, new, menu)
+    assert out.turns[turn].action.argument == new.name
+    assert out.messages[out.turns[turn].message]["content"] == f"@allergens {new.name}"
+    assert out.messages[out.turns[turn].message + 1]["content"].startswith(new.name)
+    assert traj.turns[turn].action.argument == old  # the original is untouched
+
+
+def test_near_misses_flip_verdicts_of_the_edited_turn(dialogues):
+    """Edits move verdicts on the clauses they aim at: over many dialogues, A1, T1, A3 and T3
+    verdicts of the original and the edited dialogue differ somewhere."""
+    rng = random.Random(3)
+    flipped = set()
+    for traj, pc in dialogues:
+        edit = near_miss(traj, pc, rng)
+        if edit is None:
+            continue
+        before, after = judge(traj, pc).table(), judge(edit[0], pc).table()
+        flipped |= {k[1] for k, v in after.items() if before.get(k) != v}
+    assert {"A1", "T1", "A3", "T3"} <= flipped
+
+
+def test_adversarial_uses_one_half_of_the_corpus_and_one_message(dialogues):
+    rng = random.Random(5)
+    held = {a.text for a in attacks("heldout")}
+    for traj, _ in dialogues[:60]:
+        got = adversarial(traj, rng, "train")
+        if got is None:
+            continue
+        out, what = got
+        changed = [
+            i for i, (a, b) in enumerate(zip(traj.messages, out.messages, strict=True)) if a != b
+        ]
+        assert len(changed) == 1 and traj.messages[changed[0]]["role"] == "assistant"
+        text = out.messages[changed[0]]["content"]
+        assert not any(h in text for h in held)
+        assert bool(message_flags(text)) == what.startswith("attack")
+
+
+def test_balance_raises_the_share_of_rare_cells():
+    examples = pool(400, "train", 2, {"grm": 0.5, "sft": 0.5}, long_share=0.5)
+    reviews = [judge(t, pc) for t, pc, _ in examples]
+    natural = balance(examples, reviews, 150, 0.0, 0)
+    balanced = balance(examples, reviews, 150, 1.0, 0)
+    assert len(set(balanced)) == 150
+
+    def share(idx, clause):
+        mix = mix_table(reviews[i] for i in idx)[clause]
+        return mix.get("violate", 0) / max(mix.get("violate", 0) + mix.get("pass", 0), 1)
+
+    assert share(balanced, "A1") > share(natural, "A1")
+    rare = min(
+        {k for r in reviews for k in cells(r)},
+        key=lambda k: sum(k in cells(r) for r in reviews),
+    )
+    assert sum(rare in cells(reviews[i]) for i in balanced) >= sum(
+        rare in cells(reviews[i]) for i in natural
+    )
+
+
+def test_rows_ask_for_their_turns_and_target_the_judge():
+    """Whole or windowed, a row's target parses back to the judge's verdicts for exactly the
+    turns its prompt asks for; long dialogues are always windowed."""
+    rng = random.Random(0)
+    long_seen = 0
+    for traj, pc in episodes(30, split="train", seed=4, quirks=GRM_QUIRKS, long_share=0.6):
+        ref = judge(traj, pc)
+        out = rows(traj, pc, ref, rng, augment=0.3, max_window=8)
+        covered = []
+        for row in out:
+            first, last = _window(row["messages"][1]["content"])
+            covered += range(first, last + 1)
+            got = parse_review(
+                row["messages"][2]["content"], turns=range(first, last + 1), clauses=pc.ids
+            )
+            assert got.table() == {k: v for k, v in ref.table().items() if first <= k[0] <= last}
+        assert covered == list(range(len(traj.turns)))
+        long_seen += len(traj.turns) > 8 and len(out) > 1
+    assert long_seen > 0
+
+
+def test_write_grm_data_writes_both_splits_and_the_mix(tmp_path):
+    s = GRMDataSettings(n_train=40, n_eval=8, seed=3, pool_factor=2, labels=None, long_share=0.5)
+    stats = write_grm_data(tmp_path, s, progress=False)
+    assert stats["train"]["dialogues"] == 40 and stats["train"]["pool"] == 80
+    assert set(stats["train"]["mix"]) >= {"A1", "T1", "T8"}
+    assert stats["train"]["rows"] >= 40
+    assert len(list(read_jsonl(tmp_path / "train.jsonl"))) == stats["train"]["rows"]
+    held = read_labelled(tmp_path / "eval_trajectories.jsonl")
+    assert len(held) == 8 and all(t.task.id.startswith("heldout") for t, _ in held)
+    edited = [k for k in stats["train"]["sources"] if "+" in k]
+    assert edited  # near misses and adversarial samples made it into the mix
+
+
+def test_bad_settings_say_what_to_fix():
+    with pytest.raises(ValueError, match="unknown agent 'sloppy'"):
+        GRMDataSettings(mix={"grm": 1, "sloppy": 1})
+    with pytest.raises(ValueError, match="at most 1"):
+        GRMDataSettings(near_misses=0.7, adversarial=0.5)
