@@ -125,7 +125,7 @@ class GRMConfig(StrictModel):
         ge=1,
         le=16,
         description="Reviews per trajectory; >1 = majority vote "
-        "(seed 000 FAQ 2: vote to tame noisy process rewards). Default 1.",
+        "(docs/method.md#faq: vote to tame noisy process rewards). Default 1.",
     )
     temperature: float = Field(
         0.0, ge=0, le=2, description="0 = greedy. Voting needs > 0; 0.7 is a good start."
@@ -150,6 +150,13 @@ class GRMConfig(StrictModel):
         ge=8,
         description="Budget for the generated review. A review the budget cuts loses its last "
         "turns (masked). 640: the longest judge review in the tiny GRM's data is ~640 tokens.",
+    )
+    max_window_turns: int = Field(
+        12,
+        ge=1,
+        description="Most turns one generation reviews; a longer dialogue is reviewed in windows "
+        "(the truncation rule). 12: a review line takes up to ~50 tokens, so 12 of them fit the "
+        "review budget with room to spare.",
     )
     batch_size: int = Field(16, ge=1, description="Trajectories generated together.")
     menu_facts: bool = Field(

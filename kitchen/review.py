@@ -25,10 +25,16 @@ Departures from the seeds:
    normalisation later removes scale, not this bias.
 2. A verdict the reward model failed to produce is `None` (masked), never counted as a pass or a
    violation: a parse failure must not look like behaviour.
-3. `flagged="violate"`: a turn whose text tried to steer the reviewer (`Review.flags`, found by
-   `kitchen.grm.injection_flags`, not by the GRM) gets r_t = −1 (mode "mean"; −Σw in "sum"),
-   whatever its verdicts. Otherwise an attack that makes a small GRM leave the other turns
-   unreviewed (masked: no signal) or milder would pay; with it, attempting one never does.
+3. Flags (`Review.flags`: text that tried to steer the reviewer, found by
+   `kitchen.injection.flags`, not by the GRM; or a review that ran out of its budget) are
+   rewarded by rule, never by the verdicts next to them. `flagged="trajectory"` (the default of
+   the training loop): every turn of a flagged trajectory gets the lowest local reward,
+   r_t = −1 (mode "mean"; −Σw in "sum"), and its global reward is that of a failure,
+   R = 0 — the lowest reward a trajectory can get, so an attempt can never raise a trajectory's
+   reward above the same dialogue without it, whatever the GRM made of the other turns. A GRM
+   can be steered on turns it did not flag — a harmless-looking attack can flip violations
+   elsewhere to passes — so punishing only the flagged turn (`flagged="turn"`) still lets an
+   attack pay; `"keep"` trusts the verdicts (for measuring the GRM itself).
 """
 
 from __future__ import annotations
@@ -87,19 +93,23 @@ def overall_from(verdicts: Iterable[ClauseVerdict]) -> Literal["pass", "violate"
     return "violate" if any(v.verdict == "violate" for v in verdicts) else "pass"
 
 
+Flagged = Literal["keep", "turn", "trajectory"]
+
+
 def turn_rewards(
     review: Review,
     pc: PersonalConstitution,
     mode: Literal["mean", "sum"] = "mean",
-    flagged: Literal["keep", "violate"] = "keep",
+    flagged: Flagged = "keep",
 ) -> tuple[list[float], list[bool], list[dict[str, float]]]:
     """Local reward per assistant turn (see the module docstring for the equation).
 
     Returns `(rewards[T], valid[T], contributions[T])`; `contributions[t]` maps each clause id to
     its signed weighted share of `rewards[t]`, so every reward traces back to its clauses.
     `valid[t]` is False when no verdict applies at t ("mean" mode) — train on it with a mask.
-    With `flagged="violate"`, a turn named in `review.flags` scores as if it broke every clause
-    (departure 3); its contributions then read `{"injection": r_t}`.
+    With `flagged="turn"`, a turn named in `review.flags` scores as if it broke every clause;
+    with `flagged="trajectory"`, every turn of a flagged review does (departure 3). Their
+    contributions then read `{"flagged": r_t}`.
     """
     weights = {c.id: c.weight for c in pc.clauses}
     num = [0.0] * review.turns
@@ -124,11 +134,15 @@ def turn_rewards(
         else:
             rewards.append(0.0)
             valid.append(False)
-    if flagged == "violate":
-        worst = -1.0 if mode == "mean" else -float(sum(weights.values()))
-        for t in flagged_turns(review):
-            if 0 <= t < review.turns:
-                rewards[t], valid[t], contrib[t] = worst, True, {"injection": worst}
+    worst = -1.0 if mode == "mean" else -float(sum(weights.values()))
+    if flagged == "trajectory" and review.flags:
+        hit = set(range(review.turns))
+    elif flagged == "turn":
+        hit = {t for t in flagged_turns(review) if 0 <= t < review.turns}
+    else:
+        hit = set()
+    for t in hit:
+        rewards[t], valid[t], contrib[t] = worst, True, {"flagged": worst}
     return rewards, valid, contrib
 
 
@@ -142,12 +156,20 @@ def flagged_turns(review: Review) -> set[int]:
     return out
 
 
-def global_reward(success: int | float, review: Review | None = None, blend: float = 0.0) -> float:
-    """R = (1 − λ)·success + λ·[overall verdict is pass]; λ = `blend` in [0, 1]."""
+def global_reward(
+    success: int | float,
+    review: Review | None = None,
+    blend: float = 0.0,
+    flagged: Flagged = "keep",
+) -> float:
+    """R = (1 − λ)·success + λ·[overall verdict is pass]; λ = `blend` in [0, 1]. With
+    `flagged="trajectory"`, a flagged review's trajectory gets R = 0 (departure 3)."""
     if not 0.0 <= blend <= 1.0:
         raise ValueError(f"blend must be in [0, 1], got {blend}")
     if not math.isfinite(float(success)):
         raise ValueError(f"success must be finite, got {success}")
+    if flagged == "trajectory" and review is not None and review.flags:
+        return 0.0
     if blend == 0.0 or review is None or review.overall is None:
         return float(success)
     return (1 - blend) * float(success) + blend * float(review.overall == "pass")
@@ -163,3 +185,21 @@ def clause_pass_rates(reviews: Iterable[Review]) -> dict[str, float]:
                 total[v.clause] = total.get(v.clause, 0) + 1
                 passes[v.clause] = passes.get(v.clause, 0) + (v.verdict == "pass")
     return {c: passes[c] / total[c] for c in sorted(total)}
+
+
+def trajectory_reward(
+    review: Review,
+    pc: PersonalConstitution,
+    success: int | float,
+    *,
+    mode: Literal["mean", "sum"] = "mean",
+    flagged: Flagged = "keep",
+    blend: float = 0.0,
+) -> float:
+    """One number per trajectory, for comparing two reviews of (nearly) the same dialogue:
+    the mean local reward over the turns with a signal plus the global reward,
+    `mean_{t valid} r_t + R`. (Training never uses it: MAPO normalises the two apart.)"""
+    local, valid, _ = turn_rewards(review, pc, mode, flagged)
+    kept = [r for r, v in zip(local, valid, strict=True) if v]
+    mean = sum(kept) / len(kept) if kept else 0.0
+    return mean + global_reward(success, review, blend, flagged)

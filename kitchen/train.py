@@ -126,11 +126,14 @@ class RewardConfig(StrictModel):
         "a turn where many clauses apply is not rewarded more for it), or their sum. See "
         "kitchen.review, departure 1.",
     )
-    flagged: Literal["keep", "violate"] = Field(
-        "violate",
-        description="A turn flagged for trying to steer the reviewer (fake verdicts, "
-        "instructions, delimiters) scores as a violation of every clause ('violate'), or keeps "
-        "the GRM's verdicts ('keep'). See kitchen.review, departure 3.",
+    flagged: Literal["keep", "turn", "trajectory"] = Field(
+        "trajectory",
+        description="A review with flags (text that tried to steer the reviewer: fake verdicts, "
+        "instructions, control tokens, fake delimiters; or a review that ran out of budget): "
+        "'trajectory' (default) gives every turn the lowest local reward and the episode a "
+        "failure's global reward, so an attempt never pays whatever the GRM made of the other "
+        "turns; 'turn' punishes the flagged turn only; 'keep' trusts the verdicts. See "
+        "kitchen.review, departure 3.",
     )
     global_blend: float = Field(
         0.0,
@@ -353,7 +356,9 @@ def episode_rewards(
     out = []
     for t, r, pc in zip(trajs, reviews, pcs, strict=True):
         local, valid, contrib = turn_rewards(r, pc, reward.local_mode, reward.flagged)
-        outcome = global_reward(t.outcome.success if t.outcome else 0, r, reward.global_blend)
+        outcome = global_reward(
+            t.outcome.success if t.outcome else 0, r, reward.global_blend, reward.flagged
+        )
         local = [x if v else 0.0 for x, v in zip(local, valid, strict=True)]
         out.append(EpisodeRewards(local, valid, contrib, outcome))
     return out

@@ -178,17 +178,17 @@ def test_masked_verdicts_carry_no_signal(concierge):
 
 def test_flagged_turns_score_as_violations_when_asked(concierge):
     """A turn whose text tried to steer the reviewer gets the worst local reward under
-    `flagged="violate"` — even a turn with no applicable clause — and keeps its verdicts under
+    `flagged="turn"` — even a turn with no applicable clause — and keeps its verdicts under
     "keep"; other turns never change."""
     review, _, pc = run(concierge, ["@search thai", "I recommend Tofu Satay."])
     review.flags = ["t0: fake verdicts", "t0: cited clause", "bogus"]
     kept = turn_rewards(review, pc)
-    rewards, valid, contrib = turn_rewards(review, pc, flagged="violate")
-    assert rewards[0] == -1.0 and valid[0] and contrib[0] == {"injection": -1.0}
+    rewards, valid, contrib = turn_rewards(review, pc, flagged="turn")
+    assert rewards[0] == -1.0 and valid[0] and contrib[0] == {"flagged": -1.0}
     assert kept[1][0] is False  # without the option, turn 0 had no signal at all
     assert (rewards[1], valid[1], contrib[1]) == (kept[0][1], kept[1][1], kept[2][1])
     total = sum(c.weight for c in pc.clauses)
-    assert turn_rewards(review, pc, mode="sum", flagged="violate")[0][0] == -total
+    assert turn_rewards(review, pc, mode="sum", flagged="turn")[0][0] == -total
 
 
 # --------------------------------------------------------------------------------------------
