@@ -1,33 +1,42 @@
-"""Reviews per second: one batched generation per trajectory versus one generation per clause.
+"""Reviews per second: the GRM on `kitchen.engine` against `generate`, and batched reviews
+against one generation per clause.
 
-Not a test (timings depend on the machine). Run:
+Not a test (timings depend on the machine; ratios from one run are what counts). Run:
 
-    .venv/bin/python benchmarks/bench_grm.py                 # 48 held-out dialogues, batch 16
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grm.py --threads 1      # 48 dialogues
     .venv/bin/python benchmarks/bench_grm.py --n 96 --batch 32 --grm data/models/grm-tiny
 
-The issue asks the GRM to review a whole trajectory's clauses in one pass. This measures why, on
-the shipped tiny GRM, in one run over the same held-out dialogues (scripted, both agents):
+On the shipped tiny GRM, over the same held-out dialogues (scripted, both agents, a quarter of
+them long meals), all greedy and structure-constrained as `GRM.review` runs by default:
 
-- **batched**: `GRM.review` — one prompt per trajectory (the whole constitution, every turn),
-  `--batch` trajectories generated together; the review lists every turn × clause.
-- **per clause**: the way a reviewer without a structured language works — one prompt per
-  (trajectory, clause), holding the constitution reduced to that clause, the same batching
-  (`--batch` prompts together), and the answers assembled into one review per trajectory.
+- **engine** — `GRM.review` as it runs now: one prompt per trajectory window, `--batch` of them
+  decoded together on `kitchen.engine` (finished reviews leave the batch, the cache grows in
+  place, no re-padding);
+- **generate** — the same reviews through transformers' `generate` (`force_generate`), which is
+  what `GRM.review` ran before the engine: the "before" of the engine's speed-up. Both paths
+  write the same review text (greedy), which this script checks;
+- **per clause** — the way a reviewer without a structured language works: one prompt per
+  (trajectory, clause), holding the constitution reduced to that clause, on the engine, the
+  answers assembled into one review per trajectory. Why one generation reviews a whole
+  trajectory.
 
-Both are greedy. It prints reviews per second for each and their ratio, plus each one's
-agreement with the rule judge (the per-clause prompts are outside what the tiny GRM was trained
-on, so expect that number to be worse too — it is reported, not the point).
+It prints reviews/s, the ratios, each mode's agreement with the rule judge, and how far the
+engine is from its arithmetic limit (the FLOPs of reading every prompt once and writing every
+review, over the measured matmul throughput).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
-from kitchen.calibrate import agreement, scripted_mix
+from kitchen.calibrate import agreement
+from kitchen.engine import force_generate
 from kitchen.grm import GRM, GRMConfig, build_prompt, parse_review
+from kitchen.grmdata import pool
 from kitchen.judge import judge
 from kitchen.review import Review, overall_from
 
@@ -65,44 +74,104 @@ def per_clause_reviews(grm: GRM, trajs, pcs) -> list[Review]:
     return out
 
 
+def review_flops(grm: GRM, trajs, pcs, texts) -> float:
+    """Least arithmetic of the reviews: every prompt and review token once through the layers
+    (2·P each), attention over its prefix (4·L·d per position), the output layer per review
+    token (2·d·V)."""
+    cfg = grm.model.config
+    d, f, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = d // cfg.num_attention_heads * cfg.num_key_value_heads
+    p = L * (2 * d * d + 2 * d * kv + 3 * d * f)
+    total = 0.0
+    for traj, pc, (text,) in zip(trajs, pcs, texts, strict=True):
+        prompt = build_prompt(traj, pc, grm.cfg)
+        n_p = grm._count(prompt)
+        n_r = len(grm.tok(text, add_special_tokens=False)["input_ids"]) + 1
+        n = n_p + n_r
+        total += 2 * p * n + 4 * L * d * n * (n + 1) / 2 + 2 * d * v * n_r
+    return total
+
+
+def gflops() -> float:
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    for _ in range(3):
+        a @ b
+    t = time.perf_counter()
+    for _ in range(40):
+        a @ b
+    return 2 * 256 * 512 * 512 * 40 / (time.perf_counter() - t) / 1e9
+
+
+def timed(fn):
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=48, help="held-out dialogues (default 48)")
-    ap.add_argument("--batch", type=int, default=16, help="prompts generated together")
+    ap.add_argument("--batch", type=int, default=16, help="prompts decoded together")
     ap.add_argument("--grm", default=GRMConfig().model, help="GRM checkpoint")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--long", type=float, default=0.25, help="share of long (meal) dialogues")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--no-per-clause", action="store_true", help="skip the per-clause mode")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     grm = GRM.load(GRMConfig(model=args.grm, batch_size=args.batch))
-    triples = scripted_mix(args.n, "heldout", args.seed, {"grm": 0.5, "sft": 0.5})
+    triples = pool(args.n, "heldout", args.seed, {"grm": 0.5, "sft": 0.5}, long_share=args.long)
     trajs = [t for t, _, _ in triples]
     pcs = [pc for _, pc, _ in triples]
     refs = [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
     clauses = sum(len(pc.clauses) for pc in pcs) / len(pcs)
-    grm.review(trajs[: args.batch], pcs[: args.batch])  # warm-up: first-call overheads
+    load0 = os.getloadavg()[0]
+    grm.review(trajs[:2], pcs[:2])  # warm-up: first-call overheads (the engine's self-check)
 
-    t0 = time.perf_counter()
-    batched = grm.review(trajs, pcs)
-    t_batched = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    single = per_clause_reviews(grm, trajs, pcs)
-    t_single = time.perf_counter() - t0
+    fast, w_fast, c_fast = timed(lambda: grm.review(trajs, pcs))
+    with force_generate():
+        slow, w_slow, c_slow = timed(lambda: grm.review(trajs, pcs))
+    rows = [
+        ("engine", fast, w_fast, c_fast, len(trajs)),
+        ("generate", slow, w_slow, c_slow, len(trajs)),
+    ]
+    if not args.no_per_clause:
+        single, w_one, c_one = timed(lambda: per_clause_reviews(grm, trajs, pcs))
+        rows.append(("per clause", single, w_one, c_one, round(len(trajs) * clauses)))
+    same = sum(
+        a.verdicts == b.verdicts and a.overall == b.overall for a, b in zip(fast, slow, strict=True)
+    )
 
-    rb, rs = len(trajs) / t_batched, len(trajs) / t_single
-    ab, asg = agreement(batched, refs), agreement(single, refs)
-    print(f"command: python benchmarks/bench_grm.py --n {args.n} --batch {args.batch}")
+    whole = [build_prompt(t, pc, grm.cfg) for t, pc in zip(trajs, pcs, strict=True)]
+    spans = [(0, len(t.turns) - 1, len(pc.ids)) for t, pc in zip(trajs, pcs, strict=True)]
+    texts = grm.generate(whole[:8], spans[:8])
+    limit = review_flops(grm, trajs[:8], pcs[:8], texts) / 8 * len(trajs) / (gflops() * 1e9)
+
     print(
-        f"{len(trajs)} held-out dialogues, {clauses:.1f} active clauses each, "
-        f"{torch.get_num_threads()} CPU threads, GRM {args.grm}"
+        f"command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python "
+        f"benchmarks/bench_grm.py --n {args.n} --batch {args.batch} --threads {args.threads}"
     )
-    print(f"{'mode':12} {'generations':>12} {'seconds':>9} {'reviews/s':>10} {'acc(p/v)':>9}")
-    print(f"{'batched':12} {len(trajs):12d} {t_batched:9.1f} {rb:10.2f} {ab.decided_accuracy:9.1%}")
     print(
-        f"{'per clause':12} {round(len(trajs) * clauses):12d} {t_single:9.1f} {rs:10.2f} "
-        f"{asg.decided_accuracy:9.1%}"
+        f"{len(trajs)} held-out dialogues ({args.long:.0%} long), {clauses:.1f} active clauses "
+        f"each, {torch.get_num_threads()} CPU thread(s), GRM {args.grm}, load average {load0:.1f}"
     )
-    print(f"ratio: batched whole-trajectory reviews are {rb / rs:.1f}x faster per review")
+    print("\n| mode | generations | seconds (wall) | seconds (CPU) | reviews/s | acc (p/v) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, reviews, wall, cpu, gens in rows:
+        acc = agreement(reviews, refs).decided_accuracy
+        print(f"| {name} | {gens} | {wall:.1f} | {cpu:.1f} | {len(trajs) / wall:.2f} | {acc:.1%} |")
+    print(
+        f"\nengine vs generate: {w_slow / w_fast:.2f}x the reviews/s (CPU time {c_slow / c_fast:.2f}x)"
+    )
+    print(f"same reviews through both paths (greedy): {same} of {len(trajs)}")
+    if not args.no_per_clause:
+        print(
+            f"batched whole-trajectory reviews vs per clause: {w_one / w_fast:.1f}x faster per review"
+        )
+    print(f"engine CPU time / arithmetic limit ({limit:.2f} s): {c_fast / limit:.1f}x")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ log = logging.getLogger("kitchen.engine")
 
 WAIT_SHARE = 4  # prefill once 1/WAIT_SHARE of the rows wait for it (or nothing else runs)
 DROP_SHARE = 4  # finished rows leave the batch once they are 1/DROP_SHARE of it
-PREFILL_CHUNK = 512  # prefill positions per forward (bounds the [rows, 1, q, kv] mask)
+PREFILL_CHUNK = 256  # prefill positions per forward (bounds the [rows, 1, q, kv] mask)
 FORWARD_COST = 48  # one more forward costs about this many prefill positions (CPU, tiny policy)
 GROWTH = 256  # cache capacity is rounded up to a multiple of this many columns
 
@@ -114,7 +114,9 @@ def lora_merged(model: Any) -> Iterator[bool]:
     rounding error per rollout over a long run). Yields whether it merged.
 
     On a CPU a LoRA layer costs three matmuls and a few Python calls where a merged one costs one:
-    the tiny policy's decode step was ~2.5x slower with its adapter than without. It merges only
+    the tiny policy's decode step was ~2x slower with its adapter than without. While merged,
+    each LoRA layer is also swapped out of the model for its base layer, since all it would do
+    is call it. It merges only
     where that is exact and safe: a peft model with one LoRA adapter (a second one — the GRM on
     the policy's base — could be switched on mid-rollout), plain floating-point `nn.Linear` base
     layers (not bitsandbytes' 4/8-bit ones, where merging re-quantises), on a CPU (on CUDA the
@@ -146,10 +148,21 @@ def lora_merged(model: Any) -> Iterator[bool]:
         (b, b.weight.detach().clone(), None if b.bias is None else b.bias.detach().clone())
         for b in bases
     ]
+    # merged, a LoRA layer only forwards to its base layer: put the base layer in its place for
+    # the duration (peft's wrapper costs ~1 ms of Python per forward of the tiny policy)
+    swaps = []
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            parent, _, child = name.rpartition(".")
+            swaps.append((model.get_submodule(parent), child, m))
     model.base_model.merge_adapter()
     try:
+        for parent, child, m in swaps:
+            setattr(parent, child, m.get_base_layer())
         yield True
     finally:
+        for parent, child, m in swaps:
+            setattr(parent, child, m)
         model.base_model.unmerge_adapter()
         with torch.no_grad():
             for b, w, bias in saved:
@@ -257,9 +270,9 @@ class RaggedLayer(DynamicLayer):
         if o.read_rows is None:
             self.keys = self.keys_buf[:, :, : o.width]
             self.values = self.values_buf[:, :, : o.width]
-        else:
-            self.keys = self.keys_buf[o.read_rows, :, : o.width]
-            self.values = self.values_buf[o.read_rows, :, : o.width]
+        else:  # index_select on the view: ~6x faster than advanced indexing here
+            self.keys = self.keys_buf[:, :, : o.width].index_select(0, o.read_rows)
+            self.values = self.values_buf[:, :, : o.width].index_select(0, o.read_rows)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -328,7 +341,7 @@ def _copy_into(
     """A [n, H, capacity, D] buffer holding `old`'s rows `rows` (all: None) in its first `width`
     columns and zeros after them: attention reads every column below the batch's width, masked
     or not, and masked columns must hold finite numbers (0 × NaN would poison the sum)."""
-    src = old[:, :, :width] if rows is None else old[rows, :, :width]
+    src = old[:, :, :width] if rows is None else old[:, :, :width].index_select(0, rows)
     new = old.new_empty(src.shape[0], old.shape[1], capacity, old.shape[3])
     new[:, :, :width] = src
     new[:, :, width:].zero_()
@@ -507,7 +520,7 @@ def _static_reason(model: Any) -> str | None:
     gc = getattr(base, "generation_config", None)
     for name, default in _GENERATION_EXTRAS.items():
         value = getattr(gc, name, default) if gc is not None else default
-        if value not in (default, None) and value != default:
+        if value is not None and value != default:
             return f"generation_config.{name}={value!r} (not implemented by the engine)"
     return None
 
@@ -635,7 +648,6 @@ class Engine:
         call = self.decoder if self.decoder is not None else _base(model)
         params = inspect.signature(call.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.eager_mask = getattr(_base(model).config, "_attn_implementation", "") == "eager"
         self.mask_dtype = _param_dtype(model)
         self.graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.static = self.graphs if static is None else static
@@ -691,7 +703,9 @@ class Engine:
         rows: list[_Row] = []
         cache = RaggedCache(self.layers)
         self._graph = None
-        with torch.no_grad():
+        # inference mode: nothing made here is used outside this call, and it skips autograd's
+        # version counting on every op
+        with torch.inference_mode():
             while queue or rows:
                 if queue and len(rows) < self.max_rows:
                     new = []
@@ -719,14 +733,13 @@ class Engine:
     # -- one forward --------------------------------------------------------------------------
 
     def _mask(self, cols: torch.Tensor, width: int) -> torch.Tensor:
-        """[B, 1, q, width] attention mask: query at column cols[b, t] reads key columns ≤ it."""
-        allowed = torch.arange(width, device=cols.device)[None, None, :] <= cols[:, :, None]
-        if not self.eager_mask:
-            return allowed[:, None]
-        low = torch.finfo(self.mask_dtype).min
-        return torch.zeros(allowed.shape, dtype=self.mask_dtype, device=cols.device).masked_fill(
-            ~allowed, low
-        )[:, None]
+        """[B, 1, q, width] additive attention mask: the query at column cols[b, t] reads the key
+        columns ≤ it (0), not the others (the dtype's lowest value). Additive rather than boolean:
+        eager attention needs it, and SDPA's CPU kernel ran ~15% faster with it (every query
+        reads at least its own column, so no row is all masked)."""
+        blocked = torch.arange(width, device=cols.device)[None, None, :] > cols[:, :, None]
+        mask = torch.zeros(blocked.shape, dtype=self.mask_dtype, device=cols.device)
+        return mask.masked_fill_(blocked, torch.finfo(self.mask_dtype).min)[:, None]
 
     def _forward(
         self,

@@ -162,3 +162,21 @@ def test_lora_still_trains_after_a_fast_rollout(policy, jobs):
     grads = [q.grad for n, q in model.named_parameters() if "lora_B" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
     model.zero_grad()
+
+
+def test_prompt_tokens_equal_whole_prompt_tokenization(policy):
+    """Tokenizing a prompt piece by piece between added tokens gives the ids of tokenizing it
+    whole, for dialogues with unicode, digits, look-alike and real special tokens in content."""
+    from kitchen.rollout import PromptTokens
+
+    _, tok = policy
+    pieces = PromptTokens(tok)
+    assert pieces.split is not None
+    messages = [{"role": "system", "content": "Concierge 12.50$ — naïve café 😀"}]
+    for text in ("@search thai", "< |im_end| > fake", "real <|im_end|> inside", "  spaces\n\nx"):
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "tool", "content": text[::-1]},
+        ]
+        assert pieces(messages, "e") == prompt_ids(tok, messages)
+    assert len(pieces.pieces) > 4  # pieces were remembered, not re-tokenized
