@@ -10,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-slow test-gpu test-verl bench ipynb nbval lint format check-notebooks schema clean
+.PHONY: help install demo test test-slow test-gpu gpu-check gpu-wheels test-verl bench ipynb nbval lint format check-notebooks schema clean
 
 help: ## list the targets, one line each
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -62,6 +62,13 @@ bench: $(STAMP) ## run the speed and memory benchmarks that need no GPU (prints 
 
 test-gpu: $(STAMP) ## run the CUDA tests (on a GPU machine)
 	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
+
+# No $(STAMP): the GPU machine runs its own python3 and has no registry to install from.
+gpu-check: ## every GPU check in one go, ~8 min: CUDA tests, bench_gpu.py, the GPU recipe (README "On one GPU")
+	bash benchmarks/gpu_check.sh $(GPU_CHECK_ARGS)
+
+gpu-wheels: $(STAMP) ## download what the GPU machine lacks (bitsandbytes, pydantic) into build/wheels/ (~10 MB)
+	bash benchmarks/gpu_check.sh --wheels
 
 lint: $(STAMP) ## ruff lint and format check
 	$(VENV)/bin/ruff check .
