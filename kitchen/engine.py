@@ -38,7 +38,8 @@ column ≤ query column), which transformers uses as is.
 Hardware. On a CPU the engine runs eagerly. `torch.compile` did not pay on the shipped tiny
 policy (one thread, 2 cores: the whole model with dynamic shapes took 61 s to compile and then
 16 ms a decode step against 9 ms eager; the engine's decode step with static shapes, 49 s and
-4.2 ms against 3.6 ms), so it is not used. A LoRA adapter is merged into its base for the
+4.2 ms against 3.6 ms; dynamo's `eager` and `aot_eager` backends, which only take the Python
+out, 11 and 20 ms against 8 ms), so it is not used. A LoRA adapter is merged into its base for the
 duration of a rollout where that is exact (`lora_merged`): on a CPU the adapter's extra matmuls
 and Python calls more than doubled the step. On CUDA the decode step is captured as a CUDA graph
 (over full-capacity views, a fixed batch: `static` mode, which CPU tests run eagerly) and replayed
