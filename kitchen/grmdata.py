@@ -264,29 +264,96 @@ class LabelSet(BaseModel):
 
 
 def load_labels(folder: str | os.PathLike) -> LabelSet:
-    """Read `labels.jsonl` and `trajectories.jsonl` from a labels folder (missing: empty set)."""
+    """Read `labels.jsonl` and `trajectories.jsonl` from a labels folder (missing: empty set).
+
+    Every problem is `FILE:LINE: field: what is wrong`, all of them at once (the first 20): a
+    line that is not a JSON object, a field that does not validate, a label whose trajectory is
+    not in trajectories.jsonl, or whose turn the trajectory lacks, or whose clause its personal
+    constitution lacks (such a label would silently never count)."""
+    from pydantic import ValidationError
+
+    from kitchen.config import Located, pydantic_problems
+
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise KitchenError(
+            [Problem(str(folder), None, "folder", "is a file; give the labels folder")]
+        )
     out = LabelSet()
+    problems: list[Problem] = []
+
+    def rows(path: Path) -> Iterable[tuple[Located, dict]]:
+        with path.open("rb") as f:
+            for n, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    problems.append(Problem(str(path), n, "line", f"not valid JSON ({e})"))
+                    continue
+                if not isinstance(row, dict):
+                    problems.append(
+                        Problem(str(path), n, "line", f"expected a JSON object, got {row!r:.40}")
+                    )
+                    continue
+                yield Located(row, str(path), {(): n}), row
+
     tp = folder / "trajectories.jsonl"
     if tp.exists():
-        for n, row in enumerate(read_jsonl(tp), start=1):
+        for doc, row in rows(tp):
+            missing = [k for k in ("trajectory", "constitution") if k not in row]
+            if missing:
+                problems.append(doc.problem((), f"missing field '{missing[0]}'"))
+                continue
             try:
                 traj = Trajectory.model_validate(row["trajectory"])
-                out.trajectories[traj.id] = traj
-                out.constitutions[traj.id] = PersonalConstitution.model_validate(
-                    row["constitution"]
-                )
-            except (KeyError, ValueError) as e:
-                raise KitchenError(
-                    [Problem(str(tp), n, "row", f"not a labelled trajectory: {e}".splitlines()[0])]
-                ) from None
+                pc = PersonalConstitution.model_validate(row["constitution"])
+            except ValidationError as err:
+                key = "trajectory" if err.title == "Trajectory" else "constitution"
+                problems += pydantic_problems(err, doc, BaseModel, (key,))[:3]
+                continue
+            out.trajectories[traj.id] = traj
+            out.constitutions[traj.id] = pc
     lp = folder / "labels.jsonl"
     if lp.exists():
-        for n, row in enumerate(read_jsonl(lp), start=1):
+        for doc, row in rows(lp):
             try:
-                out.labels.append(HumanLabel.model_validate(row))
-            except ValueError as e:
-                raise KitchenError([Problem(str(lp), n, "row", str(e).splitlines()[0])]) from None
+                label = HumanLabel.model_validate(row)
+            except ValidationError as err:
+                problems += pydantic_problems(err, doc, HumanLabel)
+                continue
+            traj = out.trajectories.get(label.trajectory)
+            if traj is None:
+                problems.append(
+                    doc.problem(
+                        ("trajectory",),
+                        f"{label.trajectory!r} is not in {tp.name}; a label needs its "
+                        "trajectory saved beside it (grmdata.save_label writes both)",
+                    )
+                )
+            elif label.turn >= len(traj.turns):
+                problems.append(
+                    doc.problem(
+                        ("turn",),
+                        f"turn {label.turn}, but the trajectory has {len(traj.turns)} "
+                        "assistant turns (counted from 0)",
+                    )
+                )
+            elif label.clause not in out.constitutions[label.trajectory].ids:
+                problems.append(
+                    doc.problem(
+                        ("clause",),
+                        f"clause {label.clause!r} is not in the trajectory's personal "
+                        f"constitution ({', '.join(out.constitutions[label.trajectory].ids)})",
+                    )
+                )
+            elif label.agrees_with not in (None, "grm", "judge"):
+                problems.append(doc.problem(("agrees_with",), "must be 'grm', 'judge' or absent"))
+            else:
+                out.labels.append(label)
+    if problems:
+        raise KitchenError(problems[:20])
     return out
 
 
