@@ -14,6 +14,12 @@ Departures from the method (docs/method.md#privacy):
    phone numbers and the diner's own identifiers wherever they appear inside free-text values.
 2. Free-text notes are dropped whole rather than scrubbed: a note is exactly where unstructured
    personal detail hides, and nothing in the method needs it.
+
+Profiles are files users write: every mistake in one is a located `PATH:LINE: field: message`
+(`kitchen.config`), and so is a folder of them that cannot work — no profile at all, two files
+with one id (their personal constitutions and pseudonyms would collide), or a split in
+`data/splits.yaml` that names no profile (`split_profiles`): a run or an evaluation on it would
+have no diner.
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from kitchen.config import StrictModel, admit_shorthand, load_model
+from kitchen.config import (
+    KitchenError,
+    Problem,
+    StrictModel,
+    admit_shorthand,
+    read_yaml,
+    validate_doc,
+)
 
 PII_FIELDS = ("name", "phone", "email", "address", "notes")
 DEFAULT_SALT = "kitchen-default-salt"
@@ -188,11 +201,74 @@ def redact(profile: Profile, salt: str | None = None) -> RedactedProfile:
 
 def load_profile(path: str | os.PathLike) -> Profile:
     """Load one profile YAML file (errors name file, line and field)."""
-    return load_model(Profile, path)
+    return validate_doc(Profile, read_yaml(path))
 
 
 def load_profiles(folder: str | os.PathLike) -> list[Profile]:
-    """Load every `*.yaml` profile in `folder`, sorted by file name."""
+    """Load every `*.yaml` profile in `folder`, sorted by file name. A missing or empty folder
+    and an id used by two files are errors; every problem of every file is reported at once."""
     from pathlib import Path
 
-    return [load_profile(p) for p in sorted(Path(folder).glob("*.yaml"))]
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise KitchenError([Problem(str(folder), None, "folder", "no such folder of profiles")])
+    out: list[Profile] = []
+    problems: list[Problem] = []
+    first: dict[str, Path] = {}
+    for path in sorted(folder.glob("*.yaml")):
+        try:
+            doc = read_yaml(path)
+            profile = validate_doc(Profile, doc)
+        except KitchenError as e:
+            problems += e.problems
+            continue
+        if profile.id in first:
+            problems.append(
+                doc.problem(
+                    ("id",),
+                    f"id {profile.id!r} is also the id of {first[profile.id].name}; "
+                    "every profile needs its own id",
+                )
+            )
+            continue
+        first[profile.id] = path
+        out.append(profile)
+    if problems:
+        raise KitchenError(problems)
+    if not out:
+        raise KitchenError(
+            [Problem(str(folder), None, "folder", "no *.yaml profiles in it; add one per diner")]
+        )
+    return out
+
+
+def split_profiles(split: str, folder: str | os.PathLike | None = None) -> list[Profile]:
+    """The profiles of one split of `data/splits.yaml` (`train` or `heldout`), in file order.
+    A split that is missing or empty, or names an id no profile has, is a located error."""
+    from kitchen import paths
+
+    splits = paths.DATA / "splits.yaml"
+    doc = read_yaml(splits)
+    key = f"{split}_profiles"
+    ids = doc.data.get(key) if isinstance(doc.data, dict) else None
+    if not isinstance(ids, list) or not ids:
+        raise KitchenError(
+            [
+                doc.problem(
+                    (key,),
+                    f"no {split} profiles: give `{key}: [id, ...]` (ids of {paths.PROFILES})",
+                )
+            ]
+        )
+    profiles = {p.id: p for p in load_profiles(folder or paths.PROFILES)}
+    unknown = [i for i in ids if i not in profiles]
+    if unknown:
+        raise KitchenError(
+            [
+                doc.problem(
+                    (key, ids.index(u)), f"no profile has id {u!r}; known: {', '.join(profiles)}"
+                )
+                for u in unknown
+            ]
+        )
+    return [p for p in profiles.values() if p.id in ids]

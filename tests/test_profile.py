@@ -104,3 +104,39 @@ def test_walkthrough_prints_no_shipped_pii(profiles):
         for value in (p.name, p.phone, p.email, p.address, p.notes, p.id):
             if value:
                 assert value.lower() not in text, value
+
+
+def test_a_folder_of_profiles_that_cannot_work_is_a_located_error(tmp_path, monkeypatch):
+    """Two files with one id (their pseudonyms would collide), an empty or missing folder, and a
+    split naming an id no profile has are errors at their file and line, not crashes later."""
+    import pytest
+    import yaml
+
+    from kitchen.config import KitchenError
+    from kitchen.profile import load_profiles, split_profiles
+
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    with pytest.raises(KitchenError, match="no \\*.yaml profiles"):
+        load_profiles(folder)
+    with pytest.raises(KitchenError, match="no such folder"):
+        load_profiles(tmp_path / "nope")
+    (folder / "a.yaml").write_text("id: same\ndimensions: {pace: hurried}\n")
+    (folder / "b.yaml").write_text("# a copy\nid: same\n")
+    with pytest.raises(KitchenError) as e:
+        load_profiles(folder)
+    (p,) = e.value.problems
+    assert (p.path, p.line, p.where) == (str(folder / "b.yaml"), 2, "id") and "a.yaml" in p.message
+    (folder / "b.yaml").write_text("id: other\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "splits.yaml").write_text(yaml.safe_dump({"train_profiles": ["same", "gone"]}))
+    monkeypatch.setattr(paths, "DATA", data)
+    with pytest.raises(KitchenError) as e:
+        split_profiles("train", folder)
+    (p,) = e.value.problems
+    assert p.where == "train_profiles[1]" and "'gone'" in p.message
+    with pytest.raises(KitchenError, match="no heldout profiles"):
+        split_profiles("heldout", folder)
+    (data / "splits.yaml").write_text(yaml.safe_dump({"train_profiles": ["other"]}))
+    assert [x.id for x in split_profiles("train", folder)] == ["other"]
