@@ -8,6 +8,10 @@ computes method results (those live in the modules they chart).
 
 Departure: long run logs are down-sampled (every k-th row, `downsample`) before charting, since
 altair refuses more than 5,000 rows in a plain chart; curves keep their shape, not every point.
+
+A metric over nothing is NaN in the run logs (docs/metrics.md): the run charts leave those points
+out, and a chart left with no point at all says "no data" (`no_data`) instead of drawing empty
+axes that could be read as a flat line.
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ import polars as pl
 from kitchen.constitution import Constitution, PersonalConstitution, derivation_edges
 
 MAX_ROWS = 5000
+
+
+def no_data(title: str = "", width: int = 420, height: int = 200) -> alt.Chart:
+    """A chart that says "no data": what a chart of metrics that were never computed shows."""
+    return (
+        alt.Chart(pl.DataFrame({"text": ["no data"]}), title=title)
+        .mark_text(size=16, color="#888")
+        .encode(text="text:N")
+        .properties(width=width, height=height)
+    )
 
 
 def derivation_layout(c: Constitution, active: PersonalConstitution | None = None) -> pl.DataFrame:
@@ -410,6 +424,7 @@ def long_metrics(metrics: pl.DataFrame, names: list[str], x: str = "iteration") 
         metrics.select([pl.col(x).cast(pl.Float64)] + [pl.col(n).cast(pl.Float64) for n in present])
         .unpivot(index=x, variable_name="metric", value_name="value")
         .drop_nulls("value")
+        .filter(pl.col("value").is_finite())  # NaN: a metric over nothing, not a point
     )
 
 
@@ -421,8 +436,10 @@ def run_curves(
     width: int = 420,
     height: int = 200,
 ) -> alt.Chart:
-    """Metrics of one run over iterations, one line per metric name."""
+    """Metrics of one run over iterations, one line per metric name ("no data" without any)."""
     df = downsample(long_metrics(metrics, names, x))
+    if df.is_empty():
+        return no_data(title, width, height)
     return (
         alt.Chart(df, title=title)
         .mark_line(point=df.height < 200)
@@ -442,8 +459,11 @@ def clause_curves(metrics: pl.DataFrame, prefix: str = "judge/", title: str = ""
     df = long_metrics(metrics, names).with_columns(
         pl.col("metric").str.strip_prefix(prefix).str.strip_suffix("_pass_rate").alias("clause")
     )
+    title = title or f"pass rate per clause ({prefix.rstrip('/')})"
+    if df.is_empty():
+        return no_data(title, 420, 220)
     return (
-        alt.Chart(downsample(df), title=title or f"pass rate per clause ({prefix.rstrip('/')})")
+        alt.Chart(downsample(df), title=title)
         .mark_line()
         .encode(
             x="iteration:Q",
@@ -470,7 +490,9 @@ def compare_runs(
         pl.concat(frames)
         if frames
         else pl.DataFrame(schema={x: pl.Float64, "value": pl.Float64, "run": pl.String})
-    )
+    ).filter(pl.col("value").is_finite() & pl.col(x).is_not_null())
+    if df.is_empty():
+        return no_data(title or metric, 420, 220)
     return (
         alt.Chart(downsample(df), title=title or metric)
         .mark_line(point=True)

@@ -1,20 +1,66 @@
-"""The `kitchen` command line (DESIGN §2): every stage of the kit as a subcommand.
+"""The `kitchen` command line: every stage of the kit as a subcommand.
 
 Every subcommand imports what it needs when it runs, so `kitchen --help` is instant. A user
 mistake (a bad file, a bad argument) prints `PATH:LINE: where: what is wrong and how to fix it`
 and exits 2 — never a traceback. Bugs in the kit itself still raise, so they get reported.
+Numbers a flag takes are checked by argparse itself (`count`, `fraction`: a usage error, exit 2),
+so a value argparse accepts is one the kit can use.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kitchen.config import KitchenError
 
 EXIT_USER_ERROR = 2
+
+
+def count(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse `type`: an integer in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {n}")
+        return n
+
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse `type`: a finite number in [0, 1]."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not (math.isfinite(x) and 0 <= x <= 1):
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return x
+
+
+def _folder_to_write(flag: str, path: str) -> None:
+    """A folder a command will create or fill: not an existing file."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise KitchenError(f"{flag} {path}: is a file; give a folder")
+
+
+def _file_to_write(flag: str, path: str) -> None:
+    """A file a command will write: not a folder, and its folder exists."""
+    p = Path(path)
+    if p.is_dir():
+        raise KitchenError(f"{flag} {path}: is a folder; give a file name")
+    if not p.parent.is_dir():
+        raise KitchenError(f"{flag} {path}: no folder {p.parent} to write it in")
 
 
 def _constitution_validate(args: argparse.Namespace) -> int:
@@ -68,6 +114,7 @@ def _constitution_schema(args: argparse.Namespace) -> int:
 def _world_sft_data(args: argparse.Namespace) -> int:
     from kitchen.scripted import write_sft_data
 
+    _folder_to_write("--out", args.out)
     stats = write_sft_data(
         args.out, n_train=args.train, n_eval=args.eval, seed=args.seed, long_share=args.long
     )
@@ -154,6 +201,8 @@ def _scale(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from kitchen.report import run_report
 
+    if args.out:
+        _file_to_write("--out", args.out)
     print(run_report(args.run, args.out))
     return 0
 
@@ -201,12 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
     wsub = world.add_subparsers(dest="action", metavar="ACTION", required=True)
     p = wsub.add_parser("sft-data", help="write scripted SFT dialogues (train and held-out eval)")
     p.add_argument("--out", default="data/sft", help="output folder (default data/sft)")
-    p.add_argument("--train", type=int, default=4000, help="training dialogues (default 4000)")
-    p.add_argument("--eval", type=int, default=200, help="held-out dialogues (default 200)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--train", type=count(1, 1_000_000), default=4000, help="training dialogues (default 4000)"
+    )
+    p.add_argument(
+        "--eval", type=count(1, 1_000_000), default=200, help="held-out dialogues (default 200)"
+    )
+    p.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
     p.add_argument(
         "--long",
-        type=float,
+        type=fraction,
         default=0.5,
         metavar="SHARE",
         help="share of dialogues that are multi-course meals (long tasks; default 0.5)",
@@ -286,11 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: MAPO and GRPO runs, evaluation, HTML report")
     p.add_argument(
         "--iterations",
-        type=int,
+        type=count(1),
         default=None,
         help="iterations per run (default: the recipes' own)",
     )
-    p.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks (default 24)")
+    p.add_argument(
+        "--eval-tasks", type=count(1, 10_000), default=24, help="held-out tasks (default 24)"
+    )
     p.set_defaults(func=_demo)
     return parser
 

@@ -14,12 +14,18 @@ its line; pydantic's and our own errors carry such locations, so each one is map
 
 Guards against hostile or accidental input: files over `MAX_BYTES`, nesting deeper than
 `MAX_DEPTH`, anchors that expand beyond `MAX_NODES`, duplicate keys (PyYAML silently keeps the
-last one) and non-UTF-8 bytes are all reported as problems, not crashes.
+last one), non-UTF-8 bytes and numbers that are not finite (`.nan`, `.inf`: no field of the kit
+can use one, and a NaN slips past range checks) are all reported as problems, not crashes.
+
+Checks that need more than one model (a preset and its overrides, a recipe and the model it
+names) validate a piece of the file on its own and place the problems under that piece's
+location (`pydantic_problems(..., prefix=...)`), so they read like every other problem.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -268,8 +274,13 @@ def _known_fields(model: type[BaseModel], loc: Loc) -> list[str]:
     return []
 
 
-def pydantic_problems(err: ValidationError, doc: Located, model: type[BaseModel]) -> list[Problem]:
-    """Turn a pydantic `ValidationError` into located, human problems."""
+def pydantic_problems(
+    err: ValidationError, doc: Located, model: type[BaseModel], prefix: Loc = ()
+) -> list[Problem]:
+    """Turn a pydantic `ValidationError` into located, human problems.
+
+    `prefix` is where in `doc` the validated data sits, when `model` validated a piece of the file
+    (e.g. `("advantage", "overrides")` for the fields a preset's overrides change)."""
     out = []
     for e in err.errors(include_url=False):
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and "[" in p))  # drop union tags
@@ -293,8 +304,19 @@ def pydantic_problems(err: ValidationError, doc: Located, model: type[BaseModel]
             if len(shown) > 60:
                 shown = shown[:57] + "..."
             msg = f"{e['msg']} (got {shown})"
-        out.append(doc.problem(loc, msg))
+        out.append(doc.problem(prefix + loc, msg))
     return out
+
+
+def non_finite(data: Any, loc: Loc = ()) -> list[Loc]:
+    """Locations of the NaN and infinite numbers in parsed YAML (`.nan`, `.inf`, `-.inf`)."""
+    if isinstance(data, float):
+        return [] if math.isfinite(data) else [loc]
+    if isinstance(data, dict):
+        return [x for k, v in data.items() for x in non_finite(v, loc + (k,))]
+    if isinstance(data, list):
+        return [x for i, v in enumerate(data) for x in non_finite(v, loc + (i,))]
+    return []
 
 
 def validate_doc(model: type[M], doc: Located) -> M:
@@ -307,6 +329,14 @@ def validate_doc(model: type[M], doc: Located) -> M:
                     f"expected a mapping of fields at the top level, got a "
                     f"{type(doc.data).__name__}",
                 )
+            ]
+        )
+    bad = non_finite(doc.data)
+    if bad:
+        raise KitchenError(
+            [
+                doc.problem(loc, "not a finite number (NaN or infinity); give a plain number")
+                for loc in bad
             ]
         )
     try:

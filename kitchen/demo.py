@@ -26,6 +26,10 @@ Departures from the method:
    iterations, starting from the SFT policy; the full held-out evaluation runs at the end.
 3. `tiny_grpo.yaml` (GRPO as its source defines it, seq-mean-token-mean loss) is not the
    comparison: it differs from MAPO's recipe in its loss aggregation too.
+
+A number over nothing (a held-out compliance when no clause applied, a win rate over no
+episodes) is NaN here, `null` in results.json and "no data" in the summary and the report; the
+sample-efficiency curves leave such points out.
 """
 
 from __future__ import annotations
@@ -46,7 +50,16 @@ from tqdm.auto import tqdm
 
 from kitchen import charts, mapo, paths
 from kitchen.config import KitchenError
-from kitchen.evaluate import EvalConfig, eval_jobs, evaluate, judged_scores, win_rate
+from kitchen.evaluate import (
+    EvalConfig,
+    eval_jobs,
+    evaluate,
+    json_ready,
+    judged_scores,
+    no_data,
+    show,
+    win_rate,
+)
 from kitchen.files import atomic_write_json, atomic_write_text
 from kitchen.models import ModelSpec, load_model
 from kitchen.report import Section, run_sections, write_html
@@ -154,13 +167,17 @@ def _iterations(folder: Path) -> int:
 def samples_to_reach(
     metrics: Any, target: float, column: str = "judge/compliance", window: int = 3
 ) -> int | None:
-    """Training episodes seen when the rolling mean of `column` first reaches `target`."""
-    values = metrics[column].to_list()
-    episodes = metrics["episodes"].to_list()
-    for i in range(len(values)):
+    """Training episodes seen when the rolling mean of `column` first reaches `target` (rows
+    where the metric is missing or NaN, a metric over nothing, are skipped)."""
+    rows = [
+        (v, e)
+        for v, e in zip(metrics[column].to_list(), metrics["episodes"].to_list(), strict=True)
+        if not no_data(v)
+    ]
+    for i in range(len(rows)):
         lo = max(0, i - window + 1)
-        if statistics.fmean(values[lo : i + 1]) >= target:
-            return int(episodes[i])
+        if statistics.fmean(v for v, _ in rows[lo : i + 1]) >= target:
+            return int(rows[i][1])
     return None
 
 
@@ -240,15 +257,26 @@ def main_job(
         m = pl.read_parquet(folder / "metrics.parquet")
         per_it = recipes[name]["train"]["tasks_per_iteration"] * recipes[name]["rollout"]["k"]
         frames[name] = m.with_columns(((pl.col("iteration") + 1) * per_it).alias("episodes"))
-        points = frames[name].filter(pl.col("eval/compliance").is_not_null())
+        points = frames[name].filter(pl.col("eval/compliance").cast(pl.Float64).is_finite())
+        start = [] if no_data(sft_held_out) else [sft_held_out]
         curves[name] = pl.concat(
             [
-                pl.DataFrame({"episodes": [0], "eval/compliance": [sft_held_out]}),
-                points.select(pl.col("episodes").cast(pl.Int64), "eval/compliance"),
+                pl.DataFrame(
+                    {"episodes": [0] * len(start), "eval/compliance": start},
+                    schema={"episodes": pl.Int64, "eval/compliance": pl.Float64},
+                ),
+                points.select(
+                    pl.col("episodes").cast(pl.Int64), pl.col("eval/compliance").cast(pl.Float64)
+                ),
             ]
         )
-    best = min(c["eval/compliance"].max() for c in curves.values())
-    target = sft_held_out + 0.5 * (best - sft_held_out) if best > sft_held_out else None
+    bests = [c["eval/compliance"].max() for c in curves.values()]
+    best = None if any(b is None for b in bests) else min(bests)
+    target = (
+        sft_held_out + 0.5 * (best - sft_held_out)
+        if best is not None and not no_data(sft_held_out) and best > sft_held_out
+        else None
+    )
     results["sample_efficiency"] = {
         "metric": "held-out judged compliance (eval/compliance), logged every eval_every iterations",
         "start": sft_held_out,
@@ -332,7 +360,7 @@ def main_job(
         intro=f"{results['seconds'] / 60:.1f} minutes end to end; `make demo` re-creates "
         "it. Evaluation uses the independent rule judge on held-out tasks and diners.",
     )
-    atomic_write_json(out / "results.json", results)
+    atomic_write_json(out / "results.json", json_ready(results))
     return results
 
 
@@ -342,7 +370,7 @@ def efficiency_text(results: dict[str, Any]) -> str:
     if eff["target"] is None:
         return (
             f"sample efficiency: no target — a run never beat the SFT policy's held-out "
-            f"compliance {eff['start']:.3f}"
+            f"compliance {show(eff['start'])}"
         )
     reached = ", ".join(
         f"{n} {v if v is not None else 'not reached'}" for n, v in eff["episodes"].items()
@@ -357,21 +385,23 @@ def efficiency_text(results: dict[str, Any]) -> str:
 def summary(results: dict[str, Any]) -> str:
     """The results as a few readable lines."""
     lines = []
+
+    def rate(w: Any) -> str:  # (rate, low, high)
+        return "no data" if no_data(w[0]) else f"{w[0]:.1%} [{w[1]:.1%}, {w[2]:.1%}]"
+
     for name in ("demo-mapo", "demo-grpo"):
         r = results[name]
-        w = r["win_rate_vs_sft"]
         lines.append(
-            f"{name}: win rate vs SFT {w[0]:.1%} [{w[1]:.1%}, {w[2]:.1%}], success "
-            f"{r['success']:.1%}, compliance {r['compliance']:.3f}, axiom violations "
+            f"{name}: win rate vs SFT {rate(r['win_rate_vs_sft'])}, success "
+            f"{show(r['success'], '.1%')}, compliance {show(r['compliance'])}, axiom violations "
             f"{r['axiom_violations']} ({r['guarded']['axiom_violations']} with the guard)"
         )
     s = results["sft"]
     lines.append(
-        f"sft: success {s['success']:.1%}, compliance {s['compliance']:.3f}, axiom "
+        f"sft: success {show(s['success'], '.1%')}, compliance {show(s['compliance'])}, axiom "
         f"violations {s['axiom_violations']}"
     )
-    w = results["mapo_vs_grpo_win_rate"]
-    lines.append(f"mapo vs grpo head to head: {w[0]:.1%} [{w[1]:.1%}, {w[2]:.1%}]")
+    lines.append(f"mapo vs grpo head to head: {rate(results['mapo_vs_grpo_win_rate'])}")
     lines.append(efficiency_text(results))
     lines.append(
         f"report: {paths.RUNS / 'demo' / 'report.html'} ({results['seconds'] / 60:.1f} min)"

@@ -17,34 +17,90 @@ and four checks that must hold together:
 A trajectory's judged score is `success + compliance`, with success ∈ {0, 1} from the world and
 compliance ∈ [0, 1] the weight-averaged share of applicable verdicts that pass. Pairwise: the
 higher score wins, equal scores tie (half a win).
+
+Metrics of nothing are not numbers: a rate, a share or a mean over zero items — compliance of an
+episode on which no clause applied, success over no episodes, valid actions over no turns — is
+NaN (`mean`), JSON files hold `null` for it (`json_ready`), and tables print "no data" (`show`).
+A report that read 1.0 for a run whose episodes all ended before their first turn would
+describe a perfect policy that never acted.
+
+Departures from the method (docs/method.md#validation):
+1. An episode judged on nothing (no clause applied, e.g. it ended before its first turn) counts
+   compliance 0 in its judged score: pairwise comparisons need a number, and an episode that did
+   nothing must not beat one that did something imperfectly.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from kitchen.config import StrictModel
+from kitchen.config import KitchenError, Problem, StrictModel
 from kitchen.constitution import PersonalConstitution
 from kitchen.judge import judge
 from kitchen.review import SCORE, Review, turn_rewards
 from kitchen.world import Task, Trajectory, asks_cuisine, load_menu, word_count
 
 
+def mean(values: Iterable[float]) -> float:
+    """The mean of `values`, NaN when there are none: a mean over nothing is not a number."""
+    xs = list(values)
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def share(hits: float, total: float) -> float:
+    """`hits / total`, NaN when `total` is 0 (a rate over nothing)."""
+    return hits / total if total else math.nan
+
+
+def no_data(x: Any) -> bool:
+    """True for a metric that was computed over nothing (None or NaN)."""
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def show(x: Any, spec: str = ".3f") -> str:
+    """`x` formatted with `spec`, or "no data" for a metric over nothing."""
+    return "no data" if no_data(x) else format(x, spec)
+
+
+def json_ready(obj: Any) -> Any:
+    """`obj` with every NaN and infinity replaced by None, so JSON files hold `null` for a
+    metric over nothing (Python's json would write `NaN`, which is not JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_ready(v) for v in obj]
+    return obj
+
+
 class EvalConfig(StrictModel):
     """What evaluation plays. Defaults: about 2 minutes for the tiny policy on a CPU."""
 
-    tasks: int = Field(30, ge=1, description="Held-out tasks.")
+    tasks: int = Field(30, ge=1, le=10_000, description="Held-out tasks (at most 10,000).")
     samples: int = Field(
-        2, ge=1, description="Episodes per (task, profile): more narrows the win-rate interval."
+        2,
+        ge=1,
+        le=256,
+        description="Episodes per (task, profile): more narrows the win-rate interval. At most "
+        "256.",
     )
-    seed: int = Field(1234, description="Seeds the task draw, the pairing and the sampling.")
+    seed: int = Field(
+        1234,
+        ge=0,
+        le=2**32 - 1,
+        description="Seeds the task draw, the pairing and the sampling. In [0, 2^32).",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the policy.")
-    bootstrap: int = Field(2000, ge=100, description="Bootstrap resamples for intervals.")
+    bootstrap: int = Field(
+        2000, ge=100, le=1_000_000, description="Bootstrap resamples for intervals."
+    )
     long_share: float = Field(
         0.0,
         ge=0,
@@ -64,12 +120,11 @@ def eval_jobs(
     (e.g. policy samples for GRM training data, which must not see the held-out set)."""
     from kitchen import paths
     from kitchen.constitution import PersonalizationCache, load_constitution
-    from kitchen.profile import load_profiles
-    from kitchen.world import feasible, generate_tasks, load_split
+    from kitchen.profile import split_profiles
+    from kitchen.world import feasible, generate_tasks
 
     c = constitution or load_constitution(paths.DEFAULT_CONSTITUTION)
-    held = set(load_split(split))
-    profiles = [p for p in load_profiles(paths.PROFILES) if p.id in held]
+    profiles = split_profiles(split)
     cache = PersonalizationCache()
     menu = load_menu()
     jobs = []
@@ -104,7 +159,8 @@ def make_job(
 
 
 def compliance(review: Review, pc: PersonalConstitution) -> float:
-    """Weight-averaged share of applicable verdicts that pass, in [0, 1] (1 when none apply)."""
+    """Weight-averaged share of applicable verdicts that pass, in [0, 1]; NaN when none apply
+    (an episode judged on nothing has no compliance, good or bad)."""
     weights = {c.id: c.weight for c in pc.clauses}
     num = den = 0.0
     for v in review.verdicts:
@@ -112,7 +168,7 @@ def compliance(review: Review, pc: PersonalConstitution) -> float:
             w = weights.get(v.clause, 1.0)
             num += w * (v.verdict == "pass")
             den += w
-    return num / den if den else 1.0
+    return share(num, den)
 
 
 def judged_scores(
@@ -120,19 +176,21 @@ def judged_scores(
     pcs: Sequence[PersonalConstitution],
     reviews: Sequence[Review] | None = None,
 ) -> list[float]:
+    """Each trajectory's `success + compliance`; compliance over nothing counts 0 (departure 1)."""
     reviews = reviews or [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
-    return [
-        (t.outcome.success if t.outcome else 0) + compliance(r, pc)
-        for t, r, pc in zip(trajs, reviews, pcs, strict=True)
-    ]
+    out = []
+    for t, r, pc in zip(trajs, reviews, pcs, strict=True):
+        c = compliance(r, pc)
+        out.append((t.outcome.success if t.outcome else 0) + (0.0 if math.isnan(c) else c))
+    return out
 
 
 def bootstrap_interval(
     values: Sequence[float], n: int = 2000, seed: int = 0, level: float = 0.95
 ) -> tuple[float, float, float]:
-    """(mean, low, high): percentile bootstrap interval of the mean."""
+    """(mean, low, high): percentile bootstrap interval of the mean; NaNs for no values."""
     if not values:
-        return 0.0, 0.0, 0.0
+        return math.nan, math.nan, math.nan
     rng = random.Random(seed)
     k = len(values)
     means = sorted(sum(rng.choice(values) for _ in range(k)) / k for _ in range(n))
@@ -149,13 +207,17 @@ def win_rate(
 
 
 class PolicyReport(BaseModel):
-    """How one policy does on the held-out set, judged by rules."""
+    """How one policy does on the held-out set, judged by rules. Rates over nothing are NaN:
+    `success` with no episodes, `valid_actions` and `truncated` with no turns, `compliance` when
+    no episode had an applicable verdict."""
 
     episodes: int
     success: float
     valid_actions: float = Field(description="Share of assistant turns that parse as actions.")
     truncated: float
-    compliance: float
+    compliance: float = Field(
+        description="Mean compliance over the episodes on which some clause applied."
+    )
     axiom_violations: int
     clause_pass: dict[str, float]
     clause_n: dict[str, int]
@@ -181,14 +243,13 @@ def policy_report(
                 totals[v.clause] = totals.get(v.clause, 0) + 1
                 passes[v.clause] = passes.get(v.clause, 0) + (v.verdict == "pass")
                 axiom_violations += v.verdict == "violate" and v.clause in axioms
+    judged = [compliance(r, pc) for r, pc in zip(reviews, pcs, strict=True)]
     return PolicyReport(
         episodes=len(trajs),
-        success=sum(t.outcome.success if t.outcome else 0 for t in trajs) / max(len(trajs), 1),
-        valid_actions=sum(ti.action.kind != "invalid" for ti in turns) / max(len(turns), 1),
-        truncated=sum(ti.truncated for ti in turns) / max(len(turns), 1),
-        compliance=statistics.fmean(compliance(r, pc) for r, pc in zip(reviews, pcs, strict=True))
-        if reviews
-        else 0.0,
+        success=share(sum(t.outcome.success if t.outcome else 0 for t in trajs), len(trajs)),
+        valid_actions=share(sum(ti.action.kind != "invalid" for ti in turns), len(turns)),
+        truncated=share(sum(ti.truncated for ti in turns), len(turns)),
+        compliance=mean(c for c in judged if not math.isnan(c)),
         axiom_violations=axiom_violations,
         clause_pass={c: passes[c] / totals[c] for c in sorted(totals)},
         clause_n=dict(sorted(totals.items())),
@@ -243,13 +304,14 @@ def reward_gap(
     pcs: Sequence[PersonalConstitution],
 ) -> float:
     """Mean over turns of (GRM local reward − judge local reward): > 0 means the GRM is more
-    generous than the truth — the reward-hacking signal to watch during training."""
+    generous than the truth — the reward-hacking signal to watch during training. NaN when no
+    turn carries a signal from both."""
     gaps = []
     for g, j, pc in zip(grm_reviews, judge_reviews, pcs, strict=True):
         rg, vg, _ = turn_rewards(g, pc)
         rj, vj, _ = turn_rewards(j, pc)
         gaps += [a - b for a, b, x, y in zip(rg, rj, vg, vj, strict=True) if x and y]
-    return statistics.fmean(gaps) if gaps else 0.0
+    return mean(gaps)
 
 
 class EvalReport(BaseModel):
@@ -332,10 +394,10 @@ def format_report(report: EvalReport, names: dict[str, str] | None = None) -> st
         lines.append(f"{label:26}" + "".join(f"{c:>{width}}" for c in cells))
 
     row("episodes", [str(r.episodes) for _, r in cols])
-    row("success", [f"{r.success:.1%}" for _, r in cols])
-    row("valid actions", [f"{r.valid_actions:.1%}" for _, r in cols])
-    row("truncated turns", [f"{r.truncated:.1%}" for _, r in cols])
-    row("compliance", [f"{r.compliance:.1%}" for _, r in cols])
+    row("success", [show(r.success, ".1%") for _, r in cols])
+    row("valid actions", [show(r.valid_actions, ".1%") for _, r in cols])
+    row("truncated turns", [show(r.truncated, ".1%") for _, r in cols])
+    row("compliance", [show(r.compliance, ".1%") for _, r in cols])
     row("axiom violations", [str(r.axiom_violations) for _, r in cols])
     if report.guarded is not None:
         row(
@@ -357,12 +419,14 @@ def format_report(report: EvalReport, names: dict[str, str] | None = None) -> st
     for k in keys:
         row(
             f"  {k}",
-            [f"{r.personalisation[k]:.2f}" if k in r.personalisation else "-" for _, r in cols],
+            [show(r.personalisation[k], ".2f") if k in r.personalisation else "-" for _, r in cols],
         )
     if report.win_rate is not None:
         rate, lo, hi = report.win_rate
         lines.append(
-            f"win rate of policy over baseline: {rate:.1%} (95% bootstrap interval "
+            "win rate of policy over baseline: no data (no episodes)"
+            if no_data(rate)
+            else f"win rate of policy over baseline: {rate:.1%} (95% bootstrap interval "
             f"{lo:.1%} – {hi:.1%}; ties count half)"
         )
     for k, v in names.items():
@@ -384,15 +448,15 @@ def eval_main(
     [--guard] [--out FILE]`: play the held-out set, judge it by rules, print the table.
 
     Omitted numbers take `EvalConfig`'s defaults. `--out` also writes the report as JSON.
-    Model paths are what `kitchen.models.load_model` accepts (a folder, or a hub name).
+    Model paths are what `kitchen.models.load_model` accepts (a folder, or a hub name). Every
+    argument is checked before anything is played (`eval_args`).
     """
     import time
 
     from kitchen.files import atomic_write_json
     from kitchen.models import ModelSpec, load_model
 
-    given = {"tasks": tasks, "samples": samples, "seed": seed}
-    cfg = EvalConfig(**{k: v for k, v in given.items() if v is not None})
+    cfg = eval_args(policy, baseline=baseline, tasks=tasks, samples=samples, seed=seed, out=out)
     start = time.perf_counter()
     pol = load_model(ModelSpec(path=policy))
     base = load_model(ModelSpec(path=baseline)) if baseline else None
@@ -411,7 +475,60 @@ def eval_main(
     print(format_report(report, names))
     if out:
         atomic_write_json(
-            out, report.model_dump(mode="json") | {"command": command, "names": names}
+            out, json_ready(report.model_dump(mode="json") | {"command": command, "names": names})
         )
         print(f"report: {out}")
     return 0
+
+
+def eval_args(
+    policy: str,
+    *,
+    baseline: str | None = None,
+    tasks: int | None = None,
+    samples: int | None = None,
+    seed: int | None = None,
+    out: str | None = None,
+) -> EvalConfig:
+    """`kitchen eval`'s arguments checked before any model loads: the numbers as `EvalConfig`
+    bounds them, the model paths as checkpoints (a local folder, or a hub name), `--out` as a
+    file that can be written. Every problem is `kitchen eval: --flag: what and how to fix`."""
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from kitchen.models import find_checkpoint
+
+    where = "kitchen eval"
+    problems: list[Problem] = []
+    given = {"tasks": tasks, "samples": samples, "seed": seed}
+    cfg = None
+    try:
+        cfg = EvalConfig(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as err:
+        for e in err.errors(include_url=False):
+            problems.append(
+                Problem(where, None, f"--{e['loc'][0]}", f"{e['msg']} (got {e['input']!r})")
+            )
+    for flag, path in (("--policy", policy), ("--baseline", baseline)):
+        if path is None:
+            continue
+        try:
+            if not str(path).strip():
+                raise KitchenError("the path is empty; give a checkpoint folder")
+            find_checkpoint(str(path))
+        except KitchenError as e:
+            problems += [Problem(where, None, flag, p.message) for p in e.problems]
+    if out:
+        target = Path(out)
+        if target.is_dir():
+            problems.append(Problem(where, None, "--out", f"{out} is a folder; give a file name"))
+        elif not target.parent.is_dir():
+            problems.append(
+                Problem(
+                    where, None, "--out", f"no folder {target.parent} to write {target.name} in"
+                )
+            )
+    if problems:
+        raise KitchenError(problems)
+    return cfg

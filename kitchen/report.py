@@ -8,12 +8,17 @@ can be mailed, archived next to the run, or opened on a machine without network.
 advantage curves, per-clause pass rates (GRM and judge), KL and entropy, group statistics,
 throughput, evaluation rows, and a sample dialogue with its review. `kitchen.demo` adds the
 comparison sections (policy vs SFT, MAPO vs GRPO) of the main job.
+
+A metric over nothing (NaN in the run logs, `null` in its JSON files) reads "no data" in tables
+and charts (`kitchen.charts.no_data`), never a number: a run whose episodes ended before their
+first turn must not show a compliance of 1.000.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +28,7 @@ import altair as alt
 import polars as pl
 
 from kitchen import charts
+from kitchen.evaluate import no_data
 from kitchen.files import atomic_write_text, read_jsonl
 
 STYLE = """
@@ -75,8 +81,10 @@ def frame_html(df: pl.DataFrame, caption: str = "") -> str:
 
 
 def _fmt(v: Any) -> str:
+    """A table cell: floats to 3 decimals, NaN (a metric over nothing) as "no data", None empty
+    (a cell that does not apply)."""
     if isinstance(v, float):
-        return f"{v:.3f}"
+        return "no data" if no_data(v) else f"{v:.3f}"
     return "" if v is None else str(v)
 
 
@@ -155,17 +163,28 @@ def run_sections(folder: str | os.PathLike, label: str = "") -> list[Section]:
         )
     if (folder / "eval.jsonl").exists():
         rows = list(read_jsonl(folder / "eval.jsonl"))
+
+        def rate(r: dict[str, Any], key: str) -> float:  # null: a rate over nothing
+            return math.nan if r.get(key) is None else float(r[key])
+
         df = pl.DataFrame(
             [
                 {
                     "iteration": r["iteration"],
-                    "success": r["success"],
-                    "compliance": r["compliance"],
+                    "success": rate(r, "success"),
+                    "compliance": rate(r, "compliance"),
                     "axiom violations": r["axiom_violations"],
-                    "valid actions": r["valid_actions"],
+                    "valid actions": rate(r, "valid_actions"),
                 }
                 for r in rows
-            ]
+            ],
+            schema={
+                "iteration": pl.Int64,
+                "success": pl.Float64,
+                "compliance": pl.Float64,
+                "axiom violations": pl.Int64,
+                "valid actions": pl.Float64,
+            },
         )
         out.append(Section(f"{name}: held-out evaluation (rule judge)").table(df))
     samples = folder / "samples.jsonl"

@@ -44,12 +44,18 @@ Departures and choices:
    model without them TRL swaps in a marked copy of the templates it knows (Qwen, Llama, Gemma,
    …) and refuses others, which becomes a `KitchenError` saying what to give instead. We chose
    this over a fallback to full-sequence loss, which would silently train on the diner's turns.
+6. A run that cannot learn stops with an error instead of training on nothing: `max_length` so
+   short that every dialogue's assistant tokens are cut (TRL drops such rows), an `output_dir`
+   that is a file or a shared folder (runs/ itself, the kit's, home), a "tiny" model of more
+   than `MAX_TINY_PARAMETERS`, and a loss that turns NaN or infinite (before final/ is
+   written, so nothing garbage is saved as a model).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -60,7 +66,7 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from kitchen import paths
 from kitchen.config import KitchenError, Located, Problem, StrictModel, read_yaml, validate_doc
@@ -99,6 +105,9 @@ class TokenizerSettings(StrictModel):
     )
 
 
+MAX_TINY_PARAMETERS = 100_000_000
+
+
 class ModelSource(StrictModel):
     """Where the model comes from: `tiny` (built here) or `base` (a Hugging Face checkpoint)."""
 
@@ -134,6 +143,15 @@ class ModelSource(StrictModel):
             raise ValueError("`device:` applies to `tiny:` only; set base.device instead")
         if self.base is not None and self.base.quantization != "none" and self.base.lora is None:
             raise ValueError("a quantised base cannot be trained in full; add base.lora (QLoRA)")
+        if self.tiny is not None:
+            vocab = (self.tokenizer or TokenizerSettings()).vocab_size
+            n = self.tiny.parameter_count(vocab)
+            if n > MAX_TINY_PARAMETERS:
+                raise ValueError(
+                    f"model.tiny has {n:,} parameters, more than the {MAX_TINY_PARAMETERS:,} a "
+                    "model built and trained from scratch here can use; shrink it, or fine-tune "
+                    "a pretrained one with `base:`"
+                )
         return self
 
 
@@ -166,30 +184,45 @@ class SFTRecipe(StrictModel):
     """A supervised fine-tuning run, end to end. `kitchen sft RECIPE` runs one."""
 
     output_dir: str = Field(
+        min_length=1,
         description="Where checkpoints, final/ and the log go. Relative "
-        "paths are under the runs folder (runs/, or $KITCHEN_RUNS)."
+        "paths are under the runs folder (runs/, or $KITCHEN_RUNS). A folder of the run's own: "
+        "not a file, the runs folder itself, the kit's folder or home.",
     )
     seed: int = Field(
-        0, description="Seeds model init, data order and dropout: same seed, same run."
+        0,
+        ge=0,
+        le=2**32 - 1,
+        description="Seeds model init, data order and dropout: same seed, same run.",
     )
-    model: ModelSource
-    data: SFTData
+    model: ModelSource = Field(
+        description="What is trained: `tiny:` builds a tokenizer and a small Qwen2 here and "
+        "trains it from scratch (the shipped tiny policy's cold start); `base:` fine-tunes a "
+        "Hugging Face checkpoint (LoRA, QLoRA or in full). No default: say which."
+    )
+    data: SFTData = Field(
+        description="The chat dialogues: `train` (required) and `eval` JSONL files of "
+        '`{"messages": [...]}` rows, as `kitchen world sft-data` writes them to data/sft/.'
+    )
     epochs: float = Field(
         3.0,
         gt=0,
+        le=1000,
         description="Passes over the training data. 3: a starting point for the tiny "
         "policy; watch the held-out loss and tune.",
     )
     max_steps: int | None = Field(
         None,
         ge=1,
+        le=10_000_000,
         description="Stop after this many optimiser steps "
         "(overrides epochs). Default: run all epochs.",
     )
-    batch_size: int = Field(16, ge=1, description="Dialogues per device step.")
+    batch_size: int = Field(16, ge=1, le=1024, description="Dialogues per device step.")
     grad_accum: int = Field(
         1,
         ge=1,
+        le=1024,
         description="Steps accumulated per optimiser step "
         "(effective batch = batch_size × grad_accum).",
     )
@@ -228,15 +261,23 @@ class SFTRecipe(StrictModel):
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
     log_every: int = Field(10, ge=1, description="Log loss and learning rate every N steps.")
 
-    @model_validator(mode="after")
-    def _fits(self) -> SFTRecipe:
-        tiny = self.model.tiny
-        if tiny is not None and self.max_length > tiny.max_positions:
+    _source: Located | None = PrivateAttr(None)  # the YAML it was read from (`load_recipe`)
+
+    @field_validator("max_length")
+    @classmethod
+    def _fits(cls, v: int, info: ValidationInfo) -> int:
+        model = info.data.get("model")  # validated before: it is declared first
+        tiny = model.tiny if model is not None else None
+        if tiny is not None and v > tiny.max_positions:
             raise ValueError(
-                f"max_length {self.max_length} exceeds model.tiny.max_positions "
+                f"max_length {v} exceeds model.tiny.max_positions "
                 f"{tiny.max_positions}; lower one or raise the other"
             )
-        return self
+        return v
+
+    def problem(self, loc: tuple, message: str) -> Problem:
+        """A problem at `loc` of this recipe: file and line when it was read from a file."""
+        return (self._source or Located(None, "recipe")).problem(loc, message)
 
     def learning_rate(self) -> float:
         """The peak learning rate, `lr` or its default for what is trained (departure 4)."""
@@ -302,10 +343,21 @@ def resolve_paths(recipe: SFTRecipe, doc: Located | None = None) -> SFTRecipe:
             if kind != "hub":  # a local folder, made absolute like the data paths
                 base = model.base.model_copy(update={"path": where})
                 model = model.model_copy(update={"base": base})
+    out = Path(recipe.output_dir).expanduser()
+    out = (out if out.is_absolute() else paths.RUNS / out).resolve()
+    shared = {paths.RUNS.resolve(), Path.home().resolve(), *paths.HOME.resolve().parents}
+    msg = None
+    if out.is_file():
+        msg = f"{out} is a file"
+    elif out in shared or out == paths.HOME.resolve():
+        msg = f"{out} is a shared folder (the runs folder, the kit's, home or above)"
+    if msg:
+        msg += "; give the run a folder of its own, e.g. output_dir: my_run"
+        problems.append(
+            doc.problem(("output_dir",), msg) if doc else recipe.problem(("output_dir",), msg)
+        )
     if problems:
         raise KitchenError(problems)
-    out = Path(recipe.output_dir).expanduser()
-    out = out if out.is_absolute() else paths.RUNS / out
     data = recipe.data.model_copy(update=update)
     return recipe.model_copy(
         update={"data": data, "model": model, "output_dir": str(out.resolve())}
@@ -315,7 +367,9 @@ def resolve_paths(recipe: SFTRecipe, doc: Located | None = None) -> SFTRecipe:
 def load_recipe(path: str | os.PathLike) -> SFTRecipe:
     """Read and validate a recipe; every problem is `PATH:LINE: field: what to fix`."""
     doc = read_yaml(path)
-    return resolve_paths(validate_doc(SFTRecipe, doc), doc)
+    recipe = validate_doc(SFTRecipe, doc)
+    recipe._source = doc
+    return resolve_paths(recipe, doc)
 
 
 def read_dialogues(path: str | os.PathLike, limit: int | None = None) -> list[list[dict]]:
@@ -511,6 +565,18 @@ def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str 
             eval_dataset=Dataset.from_list([{"messages": m} for m in held]) if has_eval else None,
             processing_class=tokenizer,
         )
+        for name, data in (("train", trainer.train_dataset), ("eval", trainer.eval_dataset)):
+            if data is not None and len(data) == 0:  # TRL drops rows with no assistant token
+                raise KitchenError(
+                    [
+                        recipe.problem(
+                            ("max_length",),
+                            f"{recipe.max_length} tokens cut every assistant turn of the {name} "
+                            "dialogues (each starts later than that), so there is nothing to "
+                            "learn; raise it (concierge dialogues run ~300 tokens)",
+                        )
+                    ]
+                )
     except ValueError as e:
         if "chat template" not in str(e):
             raise
@@ -579,6 +645,27 @@ def run_sft(
     text = _recipe_yaml(recipe)
     atomic_write_text(out / "recipe.yaml", text)
     trainer.train(resume_from_checkpoint=checkpoint)
+    bad = next(
+        (
+            (k, r)
+            for r in trainer.state.log_history
+            for k in ("loss", "eval_loss")
+            if isinstance(r.get(k), float) and not math.isfinite(r[k])
+        ),
+        None,
+    )
+    if bad is not None:  # departure 6: a diverged model is not saved as final/
+        write_jsonl(out / "log.jsonl", list(trainer.state.log_history))
+        key, row = bad
+        raise KitchenError(
+            [
+                recipe.problem(
+                    ("lr",),
+                    f"training diverged: {key} {row[key]} at step {row.get('step')} (see "
+                    f"{out / 'log.jsonl'}); lower lr (it was {recipe.learning_rate():g})",
+                )
+            ]
+        )
 
     final = out / "final"
     tmp = Path(tempfile.mkdtemp(prefix=".final.", dir=out))

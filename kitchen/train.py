@@ -42,37 +42,72 @@ Departures from the method:
 2. Truncated turns (token budget hit) and turns the axiom guard replaced are never trained on.
 3. An "entropy collapse" alarm (docs/method.md#validation: entropy must not plunge) fires when the
    policy's mean token entropy drops below `entropy_alarm` × its value at the first iteration.
+4. A run that cannot learn stops with an error at the recipe field to change instead of logging
+   empty iterations: the recipe's own checks (`recipe_problems`: every advantage choice
+   resolves, K ≥ 2 for an estimator that normalises within a task's K episodes; `file_problems`),
+   a pre-flight before the first iteration (`Run.preflight`: empty task pool or held-out set,
+   a token budget the context cannot hold, a GRM that writes no verdicts), and during the run
+   `train.max_untrained_iterations` iterations in a row without a trainable turn, a run that
+   ends without one, or an update whose loss or gradient is not finite (`untrained_problem`,
+   `diverged`). Metrics over nothing are NaN, never 0 or 1 (`iteration_metrics`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from kitchen import paths
 from kitchen.buffer import BufferConfig, ReplayBuffer
-from kitchen.config import KitchenError, StrictModel, read_yaml, validate_doc
+from kitchen.config import (
+    KitchenError,
+    Loc,
+    Located,
+    Problem,
+    StrictModel,
+    pydantic_problems,
+    read_yaml,
+    validate_doc,
+)
 from kitchen.constitution import PersonalConstitution, PersonalizationCache, load_constitution
-from kitchen.evaluate import EvalConfig, eval_jobs, policy_report, reward_gap
+from kitchen.evaluate import (
+    EvalConfig,
+    eval_jobs,
+    json_ready,
+    mean,
+    policy_report,
+    reward_gap,
+    share,
+    show,
+)
 from kitchen.files import atomic_write_bytes, atomic_write_text, read_jsonl, write_jsonl
 from kitchen.grm import GRM, GRMConfig
 from kitchen.jobs import Job, pair_jobs
 from kitchen.judge import judge
-from kitchen.mapo import SHARED_FIELDS, AdvantageConfig, mapo_loss, preset, returns_for
+from kitchen.mapo import (
+    PRESETS,
+    SHARED_FIELDS,
+    AdvantageConfig,
+    mapo_loss,
+    preset,
+    returns_for,
+)
 from kitchen.models import (
     LoraSpec,
     ModelSpec,
@@ -84,6 +119,7 @@ from kitchen.models import (
     token_logprobs,
     use_adapter,
 )
+from kitchen.profile import split_profiles
 from kitchen.review import Review, clause_pass_rates, global_reward, turn_rewards
 from kitchen.rollout import RolloutConfig, RolloutStats, render_prompt, rollout
 from kitchen.steps import Scored, StepSamples, advantages_for, ragged
@@ -150,17 +186,22 @@ class TrainConfig(StrictModel):
     tasks_per_iteration: int = Field(
         4,
         ge=1,
-        description="(task, profile) jobs per iteration; each is played K times (rollout.k).",
+        le=10_000,
+        description="(task, profile) jobs per iteration; each is played K times (rollout.k). "
+        "At most 10,000 (and K × this at most 65,536 episodes an iteration).",
     )
     task_pool: int = Field(
         200,
         ge=1,
+        le=5_000,
         description="Training tasks drawn once; jobs sample from "
-        "them, so states recur and the buffer's state groups fill.",
+        "them, so states recur and the buffer's state groups fill. At most 5,000: the pool is "
+        "drawn before the first iteration (2,000 take ~10 s on a CPU).",
     )
     lr: float = Field(
         2e-4,
         gt=0,
+        le=1,
         description="AdamW learning rate of the LoRA adapter. 2e-4: the QLoRA paper's value; "
         "lower it if training wobbles (docs/method.md#faq).",
     )
@@ -182,8 +223,9 @@ class TrainConfig(StrictModel):
     epochs: int = Field(
         1,
         ge=1,
+        le=100,
         description="Passes over an iteration's step samples. 1 keeps "
-        "the update on-policy (REINFORCE's assumption).",
+        "the update on-policy (REINFORCE's assumption); at most 100.",
     )
     entropy_alarm: float = Field(
         0.3,
@@ -196,6 +238,14 @@ class TrainConfig(StrictModel):
         description="Score the reference (adapter off) even when β = 0, to report kl/mean: one "
         "extra no-grad forward per minibatch.",
     )
+    max_untrained_iterations: int = Field(
+        3,
+        ge=1,
+        description="Stop the run with an error after this many iterations in a row in which no "
+        "turn could be trained on (every turn truncated or guarded, or every episode over before "
+        "its first turn); a run that ends without training on a single turn is an error too. "
+        "3: one empty iteration can be bad luck, three in a row is a recipe that cannot learn.",
+    )
 
 
 class Recipe(StrictModel):
@@ -204,8 +254,10 @@ class Recipe(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Run name: runs/<name>/.")
     seed: int = Field(
         0,
+        ge=0,
+        le=2**32 - 1,
         description="Seeds every draw of the run (jobs, rollouts, minibatch order) per "
-        "iteration, so a resumed run ends where an uninterrupted one does.",
+        "iteration, so a resumed run ends where an uninterrupted one does. In [0, 2^32).",
     )
     policy: ModelSpec = Field(
         default_factory=lambda: ModelSpec(path="data/models/policy-tiny", lora=LoraSpec()),
@@ -271,10 +323,13 @@ class Recipe(StrictModel):
     torch_threads: int | None = Field(
         None,
         ge=1,
+        le=1024,
         description="CPU threads for torch (None: torch's default, one per core). "
         "The tiny models' small matrices gain little from threads and lose a lot when another "
         "process holds a core: 1 was 5-8x faster than 2 on a busy 2-core machine.",
     )
+
+    _source: Located | None = PrivateAttr(None)  # the YAML it was read from (`load_recipe`)
 
     @field_validator("policy")
     @classmethod
@@ -304,21 +359,116 @@ class Recipe(StrictModel):
         }
         return Recipe.model_validate(doc)
 
+    def problem(self, loc: Loc, message: str) -> Problem:
+        """A problem at `loc` of this recipe: file and line when it was read from a file."""
+        return (self._source or Located(None, f"recipe {self.name}")).problem(loc, message)
+
 
 def load_recipe(path: str | os.PathLike) -> Recipe:
-    """Read and validate a recipe YAML (errors name file, line and field)."""
+    """Read and validate a recipe YAML (errors name file, line and field): the models, then
+    `recipe_problems` — each advantage choice resolved and fit for the rollout's K."""
     doc = read_yaml(path)
     recipe = validate_doc(Recipe, doc)
-    try:
-        recipe.advantage.resolve()
-    except ValueError as e:
-        raise KitchenError([doc.problem(("advantage",), str(e))]) from None
-    for arm in recipe.compare:
-        try:
-            recipe.variant(arm).advantage.resolve()
-        except (ValueError, KitchenError) as e:
-            raise KitchenError([doc.problem(("compare", arm), str(e))]) from None
+    recipe._source = doc
+    problems = recipe_problems(recipe)
+    if problems:
+        raise KitchenError(problems)
     return recipe
+
+
+def choice_problems(
+    recipe: Recipe, choice: AdvantageChoice, loc: Loc, held: dict[str, Any] | None = None
+) -> list[Problem]:
+    """What is wrong with one advantage choice of `recipe` (`advantage`, or an arm of `compare`
+    at `loc`, resolved over the base's `held` fields), each problem at its place in the file: a
+    bad override at `<loc>.overrides.<field>`, a combination of fields at the override it names."""
+    if choice.preset not in PRESETS:
+        return [
+            recipe.problem(loc, f"unknown preset {choice.preset!r}; known: {', '.join(PRESETS)}")
+        ]
+    try:
+        preset(choice.preset, **((held or {}) | choice.overrides))
+    except ValidationError as err:
+        doc = recipe._source or Located(None, f"recipe {recipe.name}")
+        at = loc + ("overrides",)
+        out = pydantic_problems(err, doc, AdvantageConfig, at)
+        for i, e in enumerate(err.errors(include_url=False)):
+            if not e["loc"]:  # a rule across fields: place it at the first override it names
+                named = [k for k in choice.overrides if re.search(rf"\b{re.escape(k)}", e["msg"])]
+                if named:
+                    out[i] = doc.problem(at + (named[0],), out[i].message)
+        return out
+    return []
+
+
+MAX_EPISODES = 65_536  # episodes one iteration may play (K × tasks_per_iteration)
+MAX_LORA_SCALE = 100  # alpha / r of the policy's adapter (usual: 1-2)
+
+
+def group_normalised(cfg: AdvantageConfig) -> str | None:
+    """The term of `cfg` that normalises within one task's K episodes — and so is 0 for every
+    sample when K = 1 — or None. The global term with task groups (GRPO, RLOO, GiGPO, MAPO); a
+    local term grouped inside a task with nothing to fall back on (`singleton: zero`)."""
+    a = cfg.alpha
+    alphas = (a.alpha0,) if a.kind == "constant" else (a.alpha0, a.alpha1)
+    if (cfg.mix == "additive" or min(alphas) < 1) and cfg.global_groups == "task":
+        return "its global term normalises outcomes among each task's K episodes"
+    in_task = cfg.local_groups in ("state_in_task", "turn") and cfg.singleton == "zero"
+    if max(alphas) > 0 and in_task:
+        return "its local term compares steps within one task's K episodes"
+    return None
+
+
+def recipe_problems(recipe: Recipe) -> list[Problem]:
+    """What in `recipe` no run could learn from, found without loading a model: an advantage
+    choice that does not resolve (`choice_problems`), K < 2 with an estimator that normalises
+    within a task's K episodes (every advantage would be 0), more than `MAX_EPISODES` episodes an
+    iteration. `load_recipe` reports them; `cook` checks recipes built in code too."""
+    out = choice_problems(recipe, recipe.advantage, ("advantage",))
+    if out:
+        return out
+    base = recipe.advantage.resolve()
+    held = {k: v for k, v in base.model_dump(mode="json").items() if k in SHARED_FIELDS}
+    arms = {"advantage": base}
+    for arm, choice in recipe.compare.items():
+        found = choice_problems(recipe, choice, ("compare", arm), held)
+        out += found
+        if not found:
+            arms[f"compare.{arm}"] = preset(choice.preset, **(held | choice.overrides))
+    k = recipe.rollout.k
+    if k < 2:
+        for block, cfg in arms.items():
+            why = group_normalised(cfg)
+            if why:
+                out.append(
+                    recipe.problem(
+                        ("rollout", "k"),
+                        f"k: {k} episode per task with {block} preset {cfg.name!r}: {why}, so "
+                        "a group of one gives every sample advantage 0 and nothing is learnt; "
+                        "set k: 2 or more (8 is usual), or use a preset without task groups "
+                        "(reinforce_pp, mapo_paper)",
+                    )
+                )
+                break
+    lora = recipe.policy.lora
+    if lora is not None and lora.alpha / lora.r > MAX_LORA_SCALE:
+        out.append(
+            recipe.problem(
+                ("policy", "lora", "alpha"),
+                f"alpha / r = {lora.alpha / lora.r:g} scales the adapter's update by more than "
+                f"{MAX_LORA_SCALE}: one optimiser step would swamp the base; alpha = 2 r is usual",
+            )
+        )
+    episodes = k * recipe.train.tasks_per_iteration
+    if episodes > MAX_EPISODES:
+        out.append(
+            recipe.problem(
+                ("rollout", "k"),
+                f"k × train.tasks_per_iteration = {episodes} episodes an iteration, more than "
+                f"{MAX_EPISODES}; lower one of them",
+            )
+        )
+    return out
 
 
 def recipe_schema() -> dict[str, Any]:
@@ -532,8 +682,17 @@ class Iteration:
     update: dict[str, float]
 
 
+def _var(xs: Sequence[float]) -> float:
+    return statistics.pvariance(xs) if xs else math.nan
+
+
 def iteration_metrics(x: Iteration, buffer: ReplayBuffer, grm: bool) -> dict[str, Any]:
-    """The metrics row of one iteration (names explained in docs/metrics.md)."""
+    """The metrics row of one iteration (names explained in docs/metrics.md). A rate or a mean
+    over nothing is NaN, never 0 or 1: `rollout/truncated_frac` with no turn, `reward/local_*`
+    with no turn that carries a local signal, `judge/compliance` when no clause applied,
+    `grm/parsed` when no review had a verdict to write. `train/step_samples` counts the step
+    samples trained on: 0 for an iteration that trained on nothing (the update metrics are
+    then absent)."""
     outcomes = [rw.outcome for rw in x.rewards]
     success = [t.outcome.success if t.outcome else 0 for t in x.trajs]
     valid = x.samples.valid
@@ -541,22 +700,23 @@ def iteration_metrics(x: Iteration, buffer: ReplayBuffer, grm: bool) -> dict[str
     m: dict[str, Any] = {
         "iteration": x.it,
         "speed/rollout_tokens_per_s": x.rollout.tokens_per_second,
-        "rollout/truncated_frac": x.rollout.truncated / max(x.rollout.turns, 1),
-        "rollout/turns_mean": x.rollout.turns / max(len(x.trajs), 1),
+        "rollout/truncated_frac": share(x.rollout.truncated, x.rollout.turns),
+        "rollout/turns_mean": share(x.rollout.turns, len(x.trajs)),
     }
     if grm:
-        m["grm/parsed"] = statistics.fmean(r.parsed_fraction for r in x.reviews)
-        m["grm/flagged_frac"] = statistics.fmean(bool(r.flags) for r in x.reviews)
+        m["grm/parsed"] = mean(r.parsed_fraction for r in x.reviews if r.verdicts)
+        m["grm/flagged_frac"] = mean(bool(r.flags) for r in x.reviews)
         m["reward/gap_grm_minus_judge"] = reward_gap(x.reviews, x.judged, x.pcs)
     m["speed/reviews_per_s"] = len(x.trajs) / x.review_seconds if x.review_seconds else 0.0
     m |= {
-        "reward/global_mean": statistics.fmean(outcomes),
-        "reward/global_var": statistics.pvariance(outcomes),
-        "reward/local_mean": statistics.fmean(local) if local else 0.0,
-        "reward/local_var": statistics.pvariance(local) if local else 0.0,
-        "reward/local_valid_frac": valid.float().mean().item() if len(valid) else 0.0,
-        "episode/success": statistics.fmean(success),
-        "episode/turns": statistics.fmean(len(t.turns) for t in x.trajs),
+        "reward/global_mean": mean(outcomes),
+        "reward/global_var": _var(outcomes),
+        "reward/local_mean": mean(local),
+        "reward/local_var": _var(local),
+        "reward/local_valid_frac": share(int(valid.sum()), len(valid)),
+        "episode/success": mean(success),
+        "episode/turns": mean(len(t.turns) for t in x.trajs),
+        "train/step_samples": 0,
     }
     m |= {f"clause/{c}_pass_rate": v for c, v in clause_pass_rates(x.reviews).items()}
     m |= {f"judge/{c}_pass_rate": v for c, v in clause_pass_rates(x.judged).items()}
@@ -587,9 +747,11 @@ class Run:
         if recipe.torch_threads:
             torch.set_num_threads(recipe.torch_threads)
         torch.manual_seed(recipe.seed)
-        self.model, self.tok = load_model(spec)
+        with located(recipe, ("policy",)):
+            self.model, self.tok = load_model(spec)
         self.adapter = spec.lora.name
-        self.grm = self._load_grm() if recipe.reward.reviewer == "grm" else None
+        with located(recipe, ("grm",)):
+            self.grm = self._load_grm() if recipe.reward.reviewer == "grm" else None
         params = [p for p in self.model.parameters() if p.requires_grad]  # the policy adapter
         self.opt = torch.optim.AdamW(
             params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay
@@ -600,6 +762,7 @@ class Run:
         self.first_entropy: float | None = None
         self.metrics: list[dict[str, Any]] = []
         self.trajs: dict[str, tuple[Trajectory, PersonalConstitution]] = {}
+        split_profiles("train")  # no training diner: a located error, not a crash in the draw
         self.pool = pair_jobs(
             "train", recipe.train.task_pool, recipe.seed, self.constitution, cache=self.cache
         )
@@ -618,6 +781,104 @@ class Run:
             self.model = add_adapter(self.model, cfg.adapter)
         use_adapter(self.model, self.adapter)  # the policy stays the trained adapter
         return GRM(self.model, self.tok, cfg)
+
+    # -- before the first iteration ---------------------------------------------------------
+
+    def preflight(self) -> list[Problem]:
+        """What would make this run learn nothing, checked before its first iteration (each a
+        problem at the recipe field to change): an empty task pool or held-out set; a first
+        prompt that leaves no room for `rollout.max_new_tokens` in the policy's context (every
+        such episode would end before its first turn); a GRM whose context has no room for a
+        prompt beside `grm.max_new_tokens`, or that produces fewer than `PREFLIGHT_PARSED` of
+        its verdicts on two scripted dialogues (a wrong checkpoint). About 2 s with the GRM."""
+        r = self.recipe
+        out: list[Problem] = []
+        if not self.pool:
+            out.append(
+                r.problem(
+                    ("train", "task_pool"),
+                    "no training job: no task of the pool is feasible for a training diner; "
+                    "check data/splits.yaml and the constitution",
+                )
+            )
+        held = eval_jobs(r.eval, self.constitution) if r.eval_every else []
+        if r.eval_every and not held:
+            out.append(r.problem(("eval", "tasks"), "no held-out job to evaluate on"))
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(limit, int):
+            first = max(map(len, self._first_prompts(self.pool + held)), default=0)
+            need = first + r.rollout.max_new_tokens
+            if need > limit:
+                room = limit - first
+                fix = (
+                    f"lower it to at most {room} (the longest scripted message is ~40 tokens)"
+                    if room > 0
+                    else "use a policy with a longer context"
+                )
+                out.append(
+                    r.problem(
+                        ("rollout", "max_new_tokens"),
+                        f"{r.rollout.max_new_tokens} new tokens after a first prompt of up to "
+                        f"{first} tokens need {need} positions, but the policy has "
+                        f"{limit} (max_position_embeddings): such episodes would end before "
+                        f"their first turn and train on nothing; {fix}",
+                    )
+                )
+        if self.grm is not None:
+            out += self._grm_preflight()
+        return out
+
+    def _first_prompts(self, jobs: Sequence[Job]) -> list[list[int]]:
+        """The token ids of each distinct prompt the policy reads before its first turn."""
+        from kitchen.rollout import prompt_ids
+        from kitchen.world import World
+
+        w = World(self.menu, max_turns=self.recipe.rollout.max_turns)
+        seen: dict[str, list[dict[str, Any]]] = {}
+        for task, pc, diner in jobs:
+            w.reset(task, pc.dimensions, profile=pc.profile, diner=diner)
+            seen.setdefault(json.dumps(w.traj.messages, sort_keys=True), w.traj.messages)
+        return [prompt_ids(self.tok, m) for m in seen.values()]
+
+    def _grm_preflight(self) -> list[Problem]:
+        from kitchen.scripted import episodes
+
+        r, g = self.recipe, self.grm
+        unknown = [c for c in r.grm.cascade if c not in self.constitution.clause_ids]
+        if unknown:
+            return [
+                r.problem(
+                    ("grm", "cascade"),
+                    f"no clause {', '.join(map(repr, unknown))} in the constitution; its "
+                    f"clauses: {', '.join(self.constitution.clause_ids)}",
+                )
+            ]
+        limit = getattr(getattr(g.model, "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int) and limit - g.cfg.max_new_tokens < 64:
+            return [
+                r.problem(
+                    ("grm", "max_new_tokens"),
+                    f"{g.cfg.max_new_tokens} review tokens leave {limit - g.cfg.max_new_tokens} "
+                    f"of the GRM's {limit} positions for the dialogue; lower it (640 fits the "
+                    "tiny GRM's longest review)",
+                )
+            ]
+        eps = episodes(2, split="train", seed=r.seed, constitution=self.constitution)
+        with torch.random.fork_rng(devices=[]):  # the run's own draws stay as they were
+            reviews = g.review([t for t, _ in eps], [pc for _, pc in eps])
+        parsed = mean(x.parsed_fraction for x in reviews if x.verdicts)
+        if not parsed >= PREFLIGHT_PARSED:
+            return [
+                r.problem(
+                    ("grm", "model"),
+                    f"the GRM {r.grm.model} wrote {show(parsed, '.0%')} of its verdicts on 2 "
+                    f"scripted dialogues (at least {PREFLIGHT_PARSED:.0%} expected): every "
+                    "unwritten verdict is masked, so the rewards would be mostly empty. Is it "
+                    "a GRM checkpoint (the shipped one: data/models/grm-tiny; `kitchen grm "
+                    "train` makes one)? Compare with `kitchen grm calibrate --grm PATH`",
+                )
+            ]
+        return []
 
     def _jobs(self, it: int) -> list[Job]:
         """The jobs of iteration `it`: a seeded draw from the task pool."""
@@ -732,10 +993,12 @@ class Run:
                 gn = torch.nn.utils.clip_grad_norm_(
                     [p for p in self.model.parameters() if p.requires_grad], r.train.grad_clip
                 )
+                if not (math.isfinite(lm["loss/total"]) and math.isfinite(float(gn))):
+                    raise KitchenError([diverged(r, self.iteration, lm["loss/total"], float(gn))])
                 self.opt.step()
                 self.updates += 1
                 tokens_seen += int(attn.sum())
-                lm["policy/entropy"] = (ent * mask).sum().item() / max(mask.sum().item(), 1)
+                lm["policy/entropy"] = share((ent * mask).sum().item(), mask.sum().item())
                 lm["policy/grad_norm"] = float(gn)
                 if "kl/mean" not in lm and ref is not None:  # β = 0: still report the drift
                     lm["kl/mean"] = float(
@@ -746,10 +1009,13 @@ class Run:
         out = {key: statistics.fmean(v) for key, v in stats.items()}
         out["speed/update_tokens_per_s"] = tokens_seen / max(time.perf_counter() - t0, 1e-9)
         out["train/step_samples"] = len(items)
-        ent = out.get("policy/entropy", 0.0)
-        if self.first_entropy is None:
+        ent = out.get("policy/entropy", math.nan)
+        if self.first_entropy is None and math.isfinite(ent):
             self.first_entropy = ent
-        out["alarm/entropy_collapse"] = float(ent < r.train.entropy_alarm * self.first_entropy)
+        first = self.first_entropy
+        out["alarm/entropy_collapse"] = float(
+            first is not None and ent < r.train.entropy_alarm * first
+        )
         return out
 
     def _log_samples(self, x: Iteration) -> None:
@@ -773,7 +1039,7 @@ class Run:
     def evaluate(self) -> dict[str, Any]:
         """Held-out evaluation of the current policy (rule judge); appends to eval.jsonl."""
         rep = held_out_report(self.model, self.tok, self.recipe, self.constitution)
-        row = {"iteration": self.iteration, **rep.model_dump(mode="json")}
+        row = json_ready({"iteration": self.iteration, **rep.model_dump(mode="json")})
         write_jsonl(self.folder / "eval.jsonl", [row], append=True)
         out = {
             "eval/success": rep.success,
@@ -879,6 +1145,90 @@ def held_out_report(model: Any, tok: Any, recipe: Recipe, constitution: Any = No
     return policy_report(trajs, [pc for _, pc, _ in jobs for _ in range(cfg.samples)])
 
 
+PREFLIGHT_PARSED = 0.5  # share of verdicts a GRM must write on scripted dialogues (`preflight`)
+
+
+@contextlib.contextmanager
+def located(recipe: Recipe, block: Loc) -> Iterator[None]:
+    """Problems raised while loading what `block` of `recipe` names (a model, an adapter) are
+    placed at the field they are about (`path`, `device`, `quantization`, `lora.*`)."""
+    try:
+        yield
+    except KitchenError as e:
+        raise KitchenError(
+            [recipe.problem(_field_of(block, p.message), p.message) for p in e.problems]
+        ) from None
+    except ValueError as e:  # peft: target modules the model does not have
+        if "target" not in str(e).lower():
+            raise
+        msg = f"{str(e).splitlines()[0]}; name modules the model has, or 'all-linear'"
+        loc = block + ("lora", "target_modules") if block == ("policy",) else block
+        raise KitchenError([recipe.problem(loc, msg)]) from None
+
+
+def _field_of(block: Loc, message: str) -> Loc:
+    if message.startswith("device"):
+        return block + ("device",)
+    if "bitsandbytes" in message:
+        return block + ("quantization",)
+    return block + (("path",) if block == ("policy",) else ("model",))
+
+
+def diverged(recipe: Recipe, iteration: int, loss: float, grad_norm: float) -> Problem:
+    """The error of an update whose loss or gradient is not finite (before the step is taken:
+    NaN weights would make every later rollout garbage)."""
+    return recipe.problem(
+        ("train", "lr"),
+        f"the update of iteration {iteration} diverged (loss {loss}, gradient norm {grad_norm}) "
+        f"before its optimiser step; lower the learning rate ({recipe.train.lr:g}) or "
+        "train.grad_clip",
+    )
+
+
+def untrained_problem(run: Run) -> Problem | None:
+    """The error of `train.max_untrained_iterations` (the field's description): the last
+    iterations trained on nothing, or the run is over and never trained. The problem sits at the
+    field the last iteration's episodes point to — turns cut by the token budget, episodes over
+    before their first turn, turns the guard replaced — and says what happened."""
+    r = run.recipe
+    idle = 0
+    for m in reversed(run.metrics):
+        if m.get("train/step_samples", 0) > 0:
+            break
+        idle += 1
+    over = run.iteration >= r.train.iterations
+    if idle < r.train.max_untrained_iterations and not (over and idle == len(run.metrics)):
+        return None
+    trajs = run.last.get("trajectories", [])
+    turns = [ti for t in trajs for ti in t.turns]
+    truncated = sum(ti.truncated for ti in turns)
+    guarded = sum(ti.guarded for ti in turns)
+    ends = sorted({t.end for t in trajs if not t.turns})
+    first = run.iteration - idle
+    span = f"iteration {first}" if idle == 1 else f"iterations {first}-{run.iteration - 1}"
+    head = f"{span} trained on nothing (no turn a policy update can use)"
+    last = f"in iteration {run.iteration - 1}"
+    if not turns:
+        loc = ("rollout",)
+        why = f"{last} every episode ended before its first turn ({', '.join(ends)})"
+    elif truncated == len(turns):
+        loc = ("rollout", "max_new_tokens")
+        why = (
+            f"{last} all {len(turns)} turns ran out of the {r.rollout.max_new_tokens}-token "
+            "budget before their end-of-turn token (truncated turns are never trained on); "
+            "raise it"
+        )
+    else:
+        loc = ("rollout",)
+        why = f"{last} {truncated} of {len(turns)} turns were truncated, {guarded} guarded"
+    tail = (
+        f"; the run stops after train.max_untrained_iterations = "
+        f"{r.train.max_untrained_iterations} such iterations in a row, or when it ends without "
+        "training on a single turn"
+    )
+    return r.problem(loc, f"{head}: {why}{tail}")
+
+
 def latest_checkpoint(folder: Path) -> Path | None:
     pointer = folder / "checkpoints" / "latest"
     if not pointer.exists():
@@ -908,6 +1258,9 @@ def cook(
                 "without a recipe, or start a new run name"
             )
         recipe = saved
+        problems = file_problems(recipe)
+        if problems:
+            raise KitchenError(problems)
         run = Run(recipe, folder, progress=progress)
         ck = latest_checkpoint(folder)
         if ck is not None:
@@ -915,6 +1268,9 @@ def cook(
     else:
         if recipe is None:
             raise KitchenError("give a recipe, or --resume runs/<name>")
+        problems = recipe_problems(recipe) + file_problems(recipe)
+        if problems:
+            raise KitchenError(problems)
         folder = paths.RUNS / recipe.name
         if latest_checkpoint(folder) is not None:
             raise KitchenError(
@@ -929,6 +1285,10 @@ def cook(
         )
         run = Run(recipe, folder, progress=progress)
     r = run.recipe
+    if run.iteration < r.train.iterations:
+        problems = run.preflight()
+        if problems:
+            raise KitchenError(problems)
     # a crash after the last checkpoint may have left rows of later iterations in the logs
     _truncate_log(run.folder / "samples.jsonl", run.iteration)
     _truncate_log(run.folder / "eval.jsonl", run.iteration, inclusive=True)
@@ -945,6 +1305,10 @@ def cook(
         if r.eval_every and (run.iteration % r.eval_every == 0 or last):
             m |= run.evaluate()
         run.write_metrics()
+        stuck = untrained_problem(run)
+        if stuck is not None:
+            bar.close()
+            raise KitchenError([stuck])
         if run.iteration % r.checkpoint_every == 0 or last:
             run.save()
         if on_iteration:
@@ -978,17 +1342,45 @@ def _truncate_log(path: Path, iteration: int, inclusive: bool = False) -> None:
     atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in keep))
 
 
+def file_problems(recipe: Recipe) -> list[Problem]:
+    """The files a recipe names that are not there: the constitution, the policy's checkpoint
+    and the GRM's (a hub name is checked when it loads)."""
+    from kitchen.models import find_checkpoint
+
+    out = []
+    c = Path(_home(recipe.constitution))
+    if not c.is_file():
+        out.append(
+            recipe.problem(
+                ("constitution",),
+                f"no such file: {recipe.constitution}; the shipped one is "
+                "constitutions/concierge.yaml",
+            )
+        )
+    models = [(("policy", "path"), recipe.policy.path)]
+    if recipe.reward.reviewer == "grm" and not recipe.grm.adapter:
+        models.append((("grm", "model"), recipe.grm.model))
+    for loc, path in models:
+        try:
+            find_checkpoint(path)
+        except KitchenError as e:
+            out += [recipe.problem(loc, p.message) for p in e.problems]
+    return out
+
+
 def cook_main(recipe_path: str | None, *, resume: str | None = None) -> int:
-    """`kitchen cook RECIPE` / `kitchen cook --resume runs/<name>`."""
+    """`kitchen cook RECIPE` / `kitchen cook --resume runs/<name>`: the recipe checked
+    (`load_recipe`, `file_problems`), the run's pre-flight (`Run.preflight`), then the run; every
+    problem is `PATH:LINE: field: what and how to fix` (exit 2)."""
     recipe = load_recipe(recipe_path) if recipe_path else None
     run = cook(recipe, resume=resume)
     last = run.metrics[-1] if run.metrics else {}
     print(
         f"{run.folder}: {run.iteration} iterations; "
         + ", ".join(
-            f"{k} {last[k]:.3f}"
+            f"{k} {show(last[k])}"
             for k in ("reward/global_mean", "judge/compliance", "eval/success", "eval/compliance")
-            if isinstance(last.get(k), float)
+            if k in last
         )
     )
     return 0

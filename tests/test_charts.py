@@ -150,3 +150,22 @@ def test_derivation_layout_places_theorems_after_their_axioms(concierge):
     for th in concierge.theorems:
         assert all(depth[th.id] > depth[a] for a in th.derives_from), th.id
     assert chart_svg(charts.derivation_graph(concierge)).lstrip().startswith("<svg")
+
+
+def test_a_chart_of_metrics_over_nothing_says_no_data():
+    """NaN points (metrics over nothing) are left out; a chart with none left says "no data"
+    instead of empty axes, and still renders offline."""
+    nan = float("nan")
+    m = pl.DataFrame({"iteration": [0, 1, 2], "a": [nan, nan, nan], "b": [0.1, nan, 0.3]})
+    some = charts.run_curves(m, ["a", "b"])
+    data = next(iter(some.to_dict()["datasets"].values()))
+    assert [(r["metric"], r["value"]) for r in data] == [("b", 0.1), ("b", 0.3)]
+    for chart in (
+        charts.run_curves(m, ["a"], "only NaN"),
+        charts.clause_curves(m.rename({"a": "judge/A1_pass_rate"}), "judge/"),
+        charts.compare_runs({"r": m.rename({"iteration": "episodes"})}, "a"),
+    ):
+        spec = chart.to_dict()
+        assert spec["mark"]["type"] == "text"
+        assert next(iter(spec["datasets"].values())) == [{"text": "no data"}]
+        assert "no data" in chart_svg(chart)

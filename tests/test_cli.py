@@ -96,3 +96,29 @@ def test_schema_is_json():
 def test_help_lists_commands():
     res = run_cli("--help")
     assert res.returncode == 0 and "constitution" in res.stdout
+
+
+def test_numbers_a_flag_cannot_use_are_usage_errors():
+    """Values argparse would accept but the kit cannot use (0 dialogues, a share of NaN, 0
+    iterations) are refused by argparse itself: exit 2, the flag named, no traceback."""
+    for args, flag in (
+        (["world", "sft-data", "--train", "0"], "--train"),
+        (["world", "sft-data", "--long", "nan"], "--long"),
+        (["world", "sft-data", "--long", "1.5"], "--long"),
+        (["demo", "--iterations", "0"], "--iterations"),
+        (["demo", "--eval-tasks", "-3"], "--eval-tasks"),
+    ):
+        res = run_cli(*args)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.stderr)
+        assert f"argument {flag}" in res.stderr, res.stderr
+
+
+def test_output_paths_that_cannot_be_written_are_located(tmp_path, capsys):
+    """`--out` into a missing folder, or a file where a folder is needed: exit 2 naming it."""
+    from kitchen import cli
+
+    (tmp_path / "f").write_text("x")
+    assert cli.main(["world", "sft-data", "--out", str(tmp_path / "f")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "no" / "r.html")]) == 2
+    assert f"--out {tmp_path / 'no' / 'r.html'}: no folder" in capsys.readouterr().err

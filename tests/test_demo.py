@@ -105,3 +105,28 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir):
     html = (runs_dir / "demo" / "report.html").read_text()
     assert "differ in the advantage estimator alone" in html and html.count("<svg") > 10
     assert "demo-mapo: win rate vs SFT" in demo.summary(results)
+
+
+def test_numbers_over_nothing_read_no_data():
+    """A held-out compliance or win rate over nothing (NaN) reads "no data" in the summary and
+    the efficiency line; the rolling mean skips such rows."""
+    nan = float("nan")
+    run = {
+        "win_rate_vs_sft": (nan, nan, nan),
+        "success": nan,
+        "compliance": nan,
+        "axiom_violations": 0,
+        "guarded": {"axiom_violations": 0},
+    }
+    results = {
+        "demo-mapo": run,
+        "demo-grpo": run,
+        "sft": {"success": nan, "compliance": nan, "axiom_violations": 0},
+        "mapo_vs_grpo_win_rate": (nan, nan, nan),
+        "sample_efficiency": {"start": nan, "target": None, "episodes": {}},
+        "seconds": 60.0,
+    }
+    text = demo.summary(results)
+    assert "nan" not in text.lower() and text.count("no data") >= 7
+    frame = pl.DataFrame({"episodes": [32, 64, 96], "c": [0.9, nan, 0.9]})
+    assert demo.samples_to_reach(frame, 0.9, "c", window=2) == 32

@@ -114,3 +114,57 @@ def test_format_report_has_one_column_per_policy_played():
     success = next(line for line in lines if line.startswith("success"))
     assert success.split()[1] == f"{rep.success:.1%}"
     assert any(line.strip().startswith("T3") for line in lines)
+
+
+def test_metrics_of_nothing_are_nan_and_print_no_data(concierge):
+    """Episodes that ended before their first turn: no compliance (NaN, not the 1.0 of an empty
+    set), no valid-action or truncation share; their judged score counts compliance 0; an
+    interval over nothing is NaN; the table says "no data" and JSON holds null."""
+    import math
+
+    from kitchen.evaluate import json_ready, mean, show
+    from kitchen.jobs import pair_jobs
+    from kitchen.world import World
+
+    trajs, pcs = [], []
+    for task, pc, diner in pair_jobs("heldout", 2, 0, concierge):
+        w = World()
+        w.reset(task, pc.dimensions, profile=pc.profile, diner=diner)
+        w.traj.done, w.traj.end = True, "context"
+        w.traj.outcome = w.outcome(w.traj)
+        trajs.append(w.traj)
+        pcs.append(pc)
+    assert math.isnan(compliance(judge(trajs[0], pcs[0]), pcs[0]))
+    rep = policy_report(trajs, pcs)
+    assert rep.episodes == 2 and rep.success == 0.0
+    assert all(math.isnan(x) for x in (rep.compliance, rep.valid_actions, rep.truncated))
+    assert judged_scores(trajs, pcs) == [0.0, 0.0]
+    assert all(math.isnan(x) for x in bootstrap_interval([])) and math.isnan(mean([]))
+    lines = format_report(EvalReport(config=EvalConfig(tasks=2), policy=rep)).splitlines()
+    assert next(x for x in lines if x.startswith("compliance")).split()[1:] == ["no", "data"]
+    assert "nan" not in "\n".join(lines).lower()
+    assert json_ready(rep.model_dump(mode="json"))["compliance"] is None
+    assert json.loads(json.dumps(json_ready({"a": [math.inf, 1.0]}))) == {"a": [None, 1.0]}
+    assert show(math.nan) == "no data" and show(0.5, ".0%") == "50%"
+
+
+def test_eval_arguments_are_checked_before_anything_plays(tmp_path):
+    """Numbers out of range, a missing checkpoint, an --out nowhere: every problem names its
+    flag (`kitchen eval: --flag: ...`), all at once, before a model loads."""
+    from kitchen.config import KitchenError
+    from kitchen.evaluate import eval_args
+
+    with pytest.raises(KitchenError) as e:
+        eval_args(
+            "data/models/nope", tasks=0, samples=10**6, seed=-1, out=str(tmp_path / "no" / "r.json")
+        )
+    assert sorted(p.where for p in e.value.problems) == [
+        "--out",
+        "--policy",
+        "--samples",
+        "--seed",
+        "--tasks",
+    ]
+    assert all(p.path == "kitchen eval" for p in e.value.problems)
+    cfg = eval_args("data/models/policy-tiny", tasks=3, out=str(tmp_path / "r.json"))
+    assert cfg.tasks == 3 and cfg.samples == EvalConfig().samples

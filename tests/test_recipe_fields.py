@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kitchen import lab, mapo, paths
+from kitchen import lab, mapo, paths, sft
 from kitchen.integrations.trl import TRLRecipe
 from kitchen.integrations.verl import VerlSettings
 from kitchen.train import recipe_schema
@@ -18,6 +18,7 @@ MODELS = {
     "TRLRecipe": lambda: TRLRecipe.model_json_schema(by_alias=True),
     "VerlSettings": lambda: VerlSettings.model_json_schema(by_alias=True),
     "LabConfig": lambda: lab.LabConfig.model_json_schema(),
+    "SFTRecipe": sft.schema,
 }
 
 

@@ -94,3 +94,26 @@ def test_html_is_escaped_and_numbers_formatted(tmp_path):
 def test_a_folder_without_metrics_is_a_located_error(tmp_path):
     with pytest.raises(KitchenError, match="no metrics.parquet; give a run folder"):
         report.run_report(tmp_path)
+
+
+def test_metrics_of_nothing_read_no_data(tmp_path):
+    """A run whose rates were over nothing (NaN in the metrics, null in eval.jsonl) reports
+    "no data" in its table and charts — never nan, and never a perfect 1.000."""
+    folder = tmp_path / "empty-run"
+    folder.mkdir()
+    nan = float("nan")
+    pl.DataFrame(
+        {
+            "iteration": [0, 1],
+            "reward/global_mean": [0.0, 0.0],
+            "judge/compliance": [nan, nan],
+            "reward/local_mean": [nan, nan],
+        }
+    ).write_parquet(folder / "metrics.parquet")
+    row = {"iteration": 1, "success": 0.0, "compliance": None, "axiom_violations": 0}
+    write_jsonl(folder / "eval.jsonl", [row | {"valid_actions": None}])
+    html = report.run_report(folder).read_text()
+    assert "<td>no data</td>" in html and ">nan<" not in html.lower()
+    assert "<td>1.000</td>" not in html
+    assert html.count(">no data<") >= 3  # two table cells and the all-NaN clause charts
+    assert report._fmt(nan) == "no data" and report._fmt(None) == ""

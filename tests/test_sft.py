@@ -261,3 +261,47 @@ def test_shipped_tiny_recipe_is_valid_and_sized_for_cpu():
     assert recipe.learning_rate() == 3e-3
     s = schema()
     assert "model" in s["properties"] and s["title"] == "kitchen sft recipe"
+
+
+def test_an_output_dir_that_is_a_file_or_a_shared_folder_is_refused_at_its_line(
+    tmp_path, data, monkeypatch
+):
+    """A run never writes its checkpoints into a file's place or a shared folder (the runs
+    folder itself, home): a located error at output_dir."""
+    monkeypatch.setattr(paths, "RUNS", tmp_path / "runs")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "a-file").write_text("mine")
+    for given, needle in ((tmp_path / "a-file", "is a file"), (".", "shared folder")):
+        f = write(
+            tmp_path / "r.yaml",
+            f"output_dir: {given}\nmodel:\n  tiny: {{}}\ndata:\n  train: {data['train']}\n",
+        )
+        with pytest.raises(KitchenError) as e:
+            load_recipe(f)
+        (p,) = e.value.problems
+        assert (p.line, p.where) == (1, "output_dir") and needle in p.message
+
+
+def test_a_diverged_run_is_an_error_and_saves_no_final_model(tmp_path, data, monkeypatch):
+    """A loss that turned NaN stops `run_sft` with an error at `lr` before final/ is written."""
+    import kitchen.sft as sft
+
+    class State:
+        log_history = [{"loss": 2.0, "step": 1}, {"loss": float("nan"), "step": 2}]
+
+    class Diverging:
+        state = State()
+
+        def add_callback(self, cb):
+            pass
+
+        def train(self, resume_from_checkpoint=None):
+            pass
+
+    monkeypatch.setattr(sft, "build_trainer", lambda recipe, resume=False: (Diverging(), None))
+    recipe = tiny_recipe(tmp_path, data)
+    with pytest.raises(KitchenError) as e:
+        run_sft(recipe)
+    (p,) = e.value.problems
+    assert p.where == "lr" and "diverged: loss nan at step 2" in p.message
+    assert not (Path(recipe.output_dir) / "final").exists()

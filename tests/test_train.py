@@ -342,3 +342,164 @@ def test_gpu_memory_of_shared_base():
     res = _bench_gpu("--iterations", "2")
     assert res["peak_gb_policy_only"] > 0 and res["ratio"] > 1.0
     assert res["ratio"] <= 1.5, res  # the goal is 1.2x; this catches a second copy of the weights
+
+
+# --- runs that cannot learn fail loudly; metrics of nothing are not numbers -------------------
+
+
+def test_errors_inside_advantage_overrides_are_located_at_their_field(tmp_path):
+    """A bad override is `PATH:LINE: advantage.overrides.<field>: ...` (not a pydantic dump at the
+    block's line): a NaN, a value out of range, a rule across fields (α above 1 with the convex
+    mix), an unknown field; a compare arm's overrides the same way."""
+    f = tmp_path / "r.yaml"
+    head = "name: x\nadvantage:\n  preset: mapo\n  overrides:\n"
+    cases = {
+        "    beta: .nan\n": (5, "advantage.overrides.beta", "finite"),
+        "    beta: -1\n": (5, "advantage.overrides.beta", "greater than or equal to 0"),
+        "    state_key: abstract\n    alpha: {kind: linear, alpha0: 0.2, alpha1: 1.5}\n": (
+            6,
+            "advantage.overrides.alpha",
+            "must lie in [0, 1]",
+        ),
+        "    betta: 0.1\n": (5, "advantage.overrides.betta", "did you mean 'beta'"),
+    }
+    for body, (line, where, needle) in cases.items():
+        f.write_text(head + body)
+        with pytest.raises(KitchenError) as e:
+            load_recipe(f)
+        (p,) = e.value.problems
+        assert (p.line, p.where) == (line, where) and needle in p.message, str(p)
+        assert "pydantic" not in p.message and "validation error" not in p.message
+    f.write_text("name: x\ncompare:\n  g:\n    preset: grpo\n    overrides: {gamma: 3}\n")
+    with pytest.raises(KitchenError, match=r"r.yaml:5: compare.g.overrides.gamma: .*less than"):
+        load_recipe(f)
+
+
+def test_k_of_one_is_rejected_for_estimators_that_normalise_within_a_task(tmp_path):
+    """K = 1 with GRPO (task-group z-scores: every advantage 0) is a located error at
+    rollout.k; REINFORCE++ (batch normalisation) may use K = 1."""
+    f = tmp_path / "r.yaml"
+    f.write_text("name: x\nrollout: {k: 1}\nadvantage: {preset: grpo}\n")
+    with pytest.raises(KitchenError, match=r"r.yaml:2: rollout.k: k: 1 episode per task"):
+        load_recipe(f)
+    f.write_text("name: x\nrollout: {k: 1}\nadvantage: {preset: reinforce_pp}\n")
+    assert load_recipe(f).rollout.k == 1
+
+
+def test_preflight_stops_a_token_budget_the_context_cannot_hold(runs_dir):
+    """Before the first iteration: a turn budget that leaves no room after the first prompt in
+    the policy's context stops the run at rollout.max_new_tokens; nothing is trained or logged."""
+    recipe = tiny_recipe("ctx", rollout={"max_new_tokens": 100_000})
+    with pytest.raises(KitchenError) as e:
+        cook(recipe, progress=False)
+    (p,) = e.value.problems
+    assert p.where == "rollout.max_new_tokens" and "max_position_embeddings" in p.message
+    assert not (runs_dir / "ctx" / "metrics.parquet").exists()
+
+
+def test_preflight_rejects_a_reviewer_that_cannot_write_reviews(runs_dir):
+    """A wrong GRM checkpoint (the policy itself) writes none of its verdicts on two scripted
+    dialogues: a located error at grm.model before the first iteration."""
+    recipe = tiny_recipe("wrong-grm", reward={"reviewer": "grm"}, grm={"model": POLICY})
+    with pytest.raises(KitchenError) as e:
+        cook(recipe, progress=False)
+    (p,) = e.value.problems
+    assert p.where == "grm.model" and "0% of its verdicts" in p.message
+
+
+def test_a_run_that_trains_on_nothing_stops_with_a_located_error(runs_dir):
+    """Every turn truncated by a 2-token budget: after `max_untrained_iterations` such
+    iterations the run stops at rollout.max_new_tokens, and the metrics it logged say NaN for
+    rates over nothing and 0 step samples, never a perfect score."""
+    recipe = tiny_recipe(
+        "idle",
+        rollout={"max_new_tokens": 2, "max_turns": 2},
+        train={"iterations": 5, "max_untrained_iterations": 2},
+    )
+    with pytest.raises(KitchenError) as e:
+        cook(recipe, progress=False)
+    (p,) = e.value.problems
+    assert p.where == "rollout.max_new_tokens" and "iterations 0-1 trained on nothing" in p.message
+    import polars as pl
+
+    m = pl.read_parquet(runs_dir / "idle" / "metrics.parquet")
+    assert m.height == 2 and m["train/step_samples"].to_list() == [0, 0]
+    assert m["rollout/truncated_frac"].to_list() == [1.0, 1.0]
+    assert m["reward/local_mean"].is_nan().all() and "loss/total" not in m.columns
+    # a one-iteration run that never trained is an error too, even below the limit
+    once = tiny_recipe("idle-once", rollout={"max_new_tokens": 2, "max_turns": 2})
+    with pytest.raises(KitchenError, match="trained on nothing"):
+        cook(
+            once.model_copy(update={"train": once.train.model_copy(update={"iterations": 1})}),
+            progress=False,
+        )
+
+
+def test_metrics_of_an_iteration_without_a_turn_are_nan(concierge):
+    """Episodes that ended before their first turn (the context rule): compliance, the local
+    reward, the truncated share and the GRM's parse rate are NaN — not the 1.0 the issue saw —
+    and 0 step samples were trained on."""
+    import math
+
+    from kitchen.buffer import BufferConfig, ReplayBuffer
+    from kitchen.jobs import pair_jobs
+    from kitchen.judge import judge
+    from kitchen.review import Review
+    from kitchen.rollout import RolloutStats
+    from kitchen.train import Iteration, RewardConfig, episode_rewards, iteration_metrics
+    from kitchen.train import step_samples as make_samples
+    from kitchen.world import World
+
+    trajs, pcs = [], []
+    for task, pc, diner in pair_jobs("train", 2, 0, concierge):
+        w = World()
+        w.reset(task, pc.dimensions, profile=pc.profile, diner=diner)
+        w.traj.done, w.traj.end = True, "context"
+        w.traj.outcome = w.outcome(w.traj)
+        trajs.append(w.traj)
+        pcs.append(pc)
+    judged = [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
+    grm = [
+        Review(
+            trajectory=t.id,
+            personal_version=pc.version,
+            source="grm",
+            turns=0,
+            clauses=pc.ids,
+            verdicts=[],
+        )
+        for t, pc in zip(trajs, pcs, strict=True)
+    ]
+    rewards = episode_rewards(trajs, grm, pcs, RewardConfig())
+    cfg = tiny_recipe("m").advantage.resolve()
+    samples = make_samples(trajs, rewards, cfg, lambda i: i)
+    x = Iteration(
+        0, trajs, pcs, RolloutStats(episodes=2), grm, judged, 0.1, rewards, samples, None, {}
+    )
+    m = iteration_metrics(x, ReplayBuffer(BufferConfig()), grm=True)
+    for key in ("judge/compliance", "reward/local_mean", "rollout/truncated_frac", "grm/parsed"):
+        assert math.isnan(m[key]), (key, m[key])
+    assert m["train/step_samples"] == 0 and m["episode/turns"] == 0.0
+    assert not any(k.startswith(("loss/", "adv/", "policy/")) for k in m)
+
+
+def test_a_diverged_update_stops_before_its_optimiser_step(runs_dir, monkeypatch):
+    """A loss that is not finite stops the run at train.lr before the step: the adapter's
+    weights are as they were (NaN weights would make every later rollout garbage)."""
+    from kitchen import train
+
+    real = train.mapo_loss
+
+    def nan_loss(*a, **k):
+        loss, m = real(*a, **k)
+        return loss * float("nan"), m | {"loss/total": float("nan")}
+
+    run = Run(tiny_recipe("nan", train={"iterations": 1}), progress=False)
+    before = lora_state(run.model)
+    monkeypatch.setattr(train, "mapo_loss", nan_loss)
+    with pytest.raises(KitchenError) as e:
+        run.step()
+    (p,) = e.value.problems
+    assert p.where == "train.lr" and "diverged" in p.message
+    after = lora_state(run.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
