@@ -1,28 +1,26 @@
-"""Reviews per second: the GRM on `kitchen.engine` against `generate`, and batched reviews
-against one generation per clause.
+"""Reviews per second: the GRM's review conversations on `kitchen.engine` against `generate`, and
+against one conversation per clause.
 
 Not a test (timings depend on the machine; ratios from one run are what counts). Run:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grm.py --threads 1      # 48 dialogues
     .venv/bin/python benchmarks/bench_grm.py --n 96 --batch 32 --grm data/models/grm-tiny
 
-On the shipped tiny GRM, over the same held-out dialogues (scripted, both agents, a quarter of
-them long meals), all greedy and structure-constrained as `GRM.review` runs by default:
+On the shipped tiny GRM, over the same held-out dialogues (scripted, both agents, `--long` of them
+meals), greedy and structure-constrained as `GRM.review` runs by default:
 
-- **engine** — `GRM.review` as it runs now: one prompt per trajectory window, `--batch` of them
-  decoded together on `kitchen.engine` (finished reviews leave the batch, the cache grows in
-  place, no re-padding);
-- **generate** — the same reviews through transformers' `generate` (`force_generate`), which is
-  what `GRM.review` ran before the engine: the "before" of the engine's speed-up. Both paths
-  write the same review text (greedy), which this script checks;
-- **per clause** — the way a reviewer without a structured language works: one prompt per
-  (trajectory, clause), holding the constitution reduced to that clause, on the engine, the
-  answers assembled into one review per trajectory. Why one generation reviews a whole
-  trajectory.
+- **engine** — `GRM.review` as it runs: every review conversation is a row of one engine batch
+  that keeps its KV cache from one reviewed turn to the next (a turn costs only its own tokens);
+- **generate** — the same conversations through transformers' `generate`, one turn index at a
+  time for every open review, each call re-reading the conversation so far: what a review costs
+  without the engine. Both paths write the same lines (greedy), which this script checks;
+- **per clause** — the way a reviewer without a structured language works: one conversation per
+  (trajectory, clause), the constitution reduced to that clause, on the engine. Why one
+  conversation reviews every clause of a turn.
 
-It prints reviews/s, the ratios, each mode's agreement with the rule judge, and how far the
-engine is from its arithmetic limit (the FLOPs of reading every prompt once and writing every
-review, over the measured matmul throughput).
+It prints reviews/s, the ratios, each mode's agreement with the rule judge on decided cells, and
+how far the engine is from its arithmetic limit (the FLOPs of reading every prompt token once and
+writing every review token, over the measured matmul throughput).
 """
 
 from __future__ import annotations
@@ -34,27 +32,24 @@ import time
 import torch
 
 from kitchen.calibrate import agreement
-from kitchen.engine import force_generate
-from kitchen.grm import GRM, GRMConfig, build_prompt, parse_review
+from kitchen.critique import conversation, review_turns
+from kitchen.grm import GRM, GRMConfig
 from kitchen.grmdata import pool
 from kitchen.judge import judge
-from kitchen.review import Review, overall_from
+from kitchen.review import Review
 
 
 def per_clause_reviews(grm: GRM, trajs, pcs) -> list[Review]:
-    """One generation per (trajectory, clause); verdicts assembled per trajectory."""
-    prompts, owners = [], []
-    for i, (traj, pc) in enumerate(zip(trajs, pcs, strict=True)):
+    """One review conversation per (trajectory, clause); verdicts assembled per trajectory."""
+    ones, owners = [], []
+    for i, pc in enumerate(pcs):
         for clause in pc.clauses:
-            one = pc.model_copy(update={"clauses": [clause]})
-            prompts.append(build_prompt(traj, one, grm.cfg))
-            owners.append((i, clause.id))
-    texts = grm.generate(prompts)
-    cells: list[dict[tuple[int, str], object]] = [{} for _ in trajs]
-    for (i, cid), (text,) in zip(owners, texts, strict=True):
-        r = parse_review(text, turns=range(len(trajs[i].turns)), clauses=[cid])
-        for v in r.verdicts:
-            cells[i][(v.turn, cid)] = v
+            ones.append(pc.model_copy(update={"clauses": [clause]}))
+            owners.append(i)
+    got = grm.review([trajs[i] for i in owners], ones)
+    cells: list[dict] = [{} for _ in trajs]
+    for i, r in zip(owners, got, strict=True):
+        cells[i] |= {(v.turn, v.clause): v for v in r.verdicts}
     out = []
     for i, (traj, pc) in enumerate(zip(trajs, pcs, strict=True)):
         verdicts = [cells[i][(t, c)] for t in range(len(traj.turns)) for c in pc.ids]
@@ -67,7 +62,6 @@ def per_clause_reviews(grm: GRM, trajs, pcs) -> list[Review]:
                 turns=len(traj.turns),
                 clauses=pc.ids,
                 verdicts=verdicts,
-                overall=overall_from(verdicts),
                 parsed_fraction=produced / len(verdicts) if verdicts else 1.0,
             )
         )
@@ -83,11 +77,10 @@ def review_flops(grm: GRM, trajs, pcs, texts) -> float:
     kv = d // cfg.num_attention_heads * cfg.num_key_value_heads
     p = L * (2 * d * d + 2 * d * kv + 3 * d * f)
     total = 0.0
-    for traj, pc, (text,) in zip(trajs, pcs, texts, strict=True):
-        prompt = build_prompt(traj, pc, grm.cfg)
-        n_p = grm._count(prompt)
-        n_r = len(grm.tok(text, add_special_tokens=False)["input_ids"]) + 1
-        n = n_p + n_r
+    for traj, pc, text in zip(trajs, pcs, texts, strict=True):
+        lines = text.split("\n")
+        n = len(grm.tokens(conversation(review_turns(traj, pc), lines)))
+        n_r = sum(len(grm.tok(x, add_special_tokens=False)["input_ids"]) + 1 for x in lines)
         total += 2 * p * n + 4 * L * d * n * (n + 1) / 2 + 2 * d * v * n_r
     return total
 
@@ -111,10 +104,10 @@ def timed(fn):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=48, help="held-out dialogues (default 48)")
-    ap.add_argument("--batch", type=int, default=16, help="prompts decoded together")
+    ap.add_argument("--batch", type=int, default=64, help="reviews decoded together")
     ap.add_argument("--grm", default=GRMConfig().model, help="GRM checkpoint")
     ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--long", type=float, default=0.25, help="share of long (meal) dialogues")
+    ap.add_argument("--long", type=float, default=0.5, help="share of long (meal) dialogues")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-per-clause", action="store_true", help="skip the per-clause mode")
     args = ap.parse_args()
@@ -122,18 +115,21 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    grm = GRM.load(GRMConfig(model=args.grm, batch_size=args.batch))
+    cfg = GRMConfig(model=args.grm, batch_size=args.batch)
+    grm = GRM.load(cfg)
+    slow_grm = GRM(grm.model, grm.tok, cfg.model_copy(update={"engine": "generate"}))
     triples = pool(args.n, "heldout", args.seed, {"grm": 0.5, "sft": 0.5}, long_share=args.long)
     trajs = [t for t, _, _ in triples]
     pcs = [pc for _, pc, _ in triples]
     refs = [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
     clauses = sum(len(pc.clauses) for pc in pcs) / len(pcs)
+    turns = sum(len(t.turns) for t in trajs) / len(trajs)
     load0 = os.getloadavg()[0]
     grm.review(trajs[:2], pcs[:2])  # warm-up: first-call overheads (the engine's self-check)
 
     fast, w_fast, c_fast = timed(lambda: grm.review(trajs, pcs))
-    with force_generate():
-        slow, w_slow, c_slow = timed(lambda: grm.review(trajs, pcs))
+    texts = [t[0] for t in grm.last_text]
+    slow, w_slow, c_slow = timed(lambda: slow_grm.review(trajs, pcs))
     rows = [
         ("engine", fast, w_fast, c_fast, len(trajs)),
         ("generate", slow, w_slow, c_slow, len(trajs)),
@@ -141,36 +137,31 @@ def main() -> None:
     if not args.no_per_clause:
         single, w_one, c_one = timed(lambda: per_clause_reviews(grm, trajs, pcs))
         rows.append(("per clause", single, w_one, c_one, round(len(trajs) * clauses)))
-    same = sum(
-        a.verdicts == b.verdicts and a.overall == b.overall for a, b in zip(fast, slow, strict=True)
-    )
-
-    whole = [build_prompt(t, pc, grm.cfg) for t, pc in zip(trajs, pcs, strict=True)]
-    spans = [(0, len(t.turns) - 1, len(pc.ids)) for t, pc in zip(trajs, pcs, strict=True)]
-    texts = grm.generate(whole[:8], spans[:8])
-    limit = review_flops(grm, trajs[:8], pcs[:8], texts) / 8 * len(trajs) / (gflops() * 1e9)
+    same = sum(a == b for a, b in zip(texts, [t[0] for t in slow_grm.last_text], strict=True))
+    limit = review_flops(grm, trajs, pcs, texts) / (gflops() * 1e9)
 
     print(
         f"command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python "
         f"benchmarks/bench_grm.py --n {args.n} --batch {args.batch} --threads {args.threads}"
     )
     print(
-        f"{len(trajs)} held-out dialogues ({args.long:.0%} long), {clauses:.1f} active clauses "
-        f"each, {torch.get_num_threads()} CPU thread(s), GRM {args.grm}, load average {load0:.1f}"
+        f"{len(trajs)} held-out dialogues ({args.long:.0%} meals, {turns:.1f} turns), "
+        f"{clauses:.1f} active clauses each, {torch.get_num_threads()} CPU thread(s), GRM "
+        f"{args.grm}, load average {load0:.1f}"
     )
-    print("\n| mode | generations | seconds (wall) | seconds (CPU) | reviews/s | acc (p/v) |")
+    print("\n| mode | conversations | seconds (wall) | seconds (CPU) | reviews/s | acc (p/v) |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name, reviews, wall, cpu, gens in rows:
+    for name, reviews, wall, cpu, convs in rows:
         acc = agreement(reviews, refs).decided_accuracy
-        print(f"| {name} | {gens} | {wall:.1f} | {cpu:.1f} | {len(trajs) / wall:.2f} | {acc:.1%} |")
+        print(
+            f"| {name} | {convs} | {wall:.1f} | {cpu:.1f} | {len(trajs) / wall:.2f} | {acc:.1%} |"
+        )
     print(
         f"\nengine vs generate: {w_slow / w_fast:.2f}x the reviews/s (CPU time {c_slow / c_fast:.2f}x)"
     )
-    print(f"same reviews through both paths (greedy): {same} of {len(trajs)}")
+    print(f"same review lines through both paths (greedy): {same} of {len(trajs)}")
     if not args.no_per_clause:
-        print(
-            f"batched whole-trajectory reviews vs per clause: {w_one / w_fast:.1f}x faster per review"
-        )
+        print(f"every clause in one conversation vs one per clause: {w_one / w_fast:.1f}x faster")
     print(f"engine CPU time / arithmetic limit ({limit:.2f} s): {c_fast / limit:.1f}x")
 
 

@@ -11,8 +11,9 @@ violations caught). This module builds data where every (clause, verdict) cell i
    policy — the text the GRM will review during RL. Training tasks and profiles only.
 2. **Near misses** (`near_miss`): one turn of a dialogue edited so that a verdict hinges on one
    detail — a message padded or cut to exactly the word limit or one word past it, a dish swapped
-   for another one allergen away (or one no search returned), an allergen check of a *different*
-   dish, a confirmation naming a different dish. Edits are made in place (the diner's answer is
+   for another one allergen away (or one no search returned, or one the diner refused earlier),
+   an allergen check of a *different* dish, a confirmation naming a different dish, a request for
+   a phone number slipped into a message. Edits are made in place (the diner's answer is
    kept), and the rule judge labels the edited dialogue, so labels stay exact. Edits also break the
    world's correlations a reviewer could lean on instead of the rule (a diner who always refuses
    an allergen dish would let "diner refuses" stand in for "contains the allergen").
@@ -48,8 +49,9 @@ from kitchen.config import KitchenError, Problem, StrictModel
 from kitchen.constitution import PersonalConstitution
 from kitchen.critique import (
     RENDERINGS,
-    build_prompt,
-    format_review,
+    conversation,
+    format_lines,
+    review_turns,
     turn_facts,
 )
 from kitchen.files import atomic_write_json, read_jsonl, write_jsonl
@@ -61,6 +63,14 @@ from kitchen.world import Menu, Trajectory, load_menu, word_count
 Example = tuple[
     Trajectory, PersonalConstitution, str
 ]  # (trajectory, personal constitution, source)
+
+#: Requests for personal identifiers (A2 violations), in the world's phrasing.
+PII_ASKS = (
+    "Could you give me your phone number?",
+    "What is your e-mail address?",
+    "Can I have your full name for the order?",
+    "What is your address, please?",
+)
 
 #: Neutral words that pad a message to an exact length (no dish, no question, no review words).
 FILLER = [
@@ -180,16 +190,29 @@ def near_miss(
     says = [t for t in turns if t.kind == "say"]
     named = [t for t in turns if t.dish is not None and (t.kind == "say" or t.tool == "order")]
     checks = [t for t in turns if t.tool == "allergens" and t.dish is not None]
+    refused = [t for t in named if any(d in t.rejected for d in [t.dish.name])]
+    late = [t for t in named if t.rejected - {t.dish.name}]  # a dish was refused before this turn
     options = []
     if says:
-        options.append("length")
+        options += ["length", "pii"]
     if named:
         options += ["allergen", "allergen", "unreturned"]
     if checks:
         options.append("check")
+    if late and not refused:
+        options += ["refused", "refused"]
     if not options:
         return None
     kind = rng.choice(options)
+    if kind == "pii":
+        t = rng.choice(says)
+        ask = rng.choice(PII_ASKS)
+        text = t.text if t.dish is not None else ""
+        return _set_message(traj, t.index, f"{text} {ask}".strip()), "pii"
+    if kind == "refused":
+        t = rng.choice(late)
+        again = menu.find(sorted(t.rejected - {t.dish.name})[0])
+        return (swap_dish(traj, t.index, again, menu), "refused") if again else None
     if kind == "length":
         t = rng.choice(says)
         limits = []
@@ -444,13 +467,14 @@ def example_row(
     rendering: dict[str, Any] | None = None,
     clause_text: str = "compact",
 ) -> dict[str, Any]:
-    """One SFT row `{"messages": [system, user, assistant]}`: the prompt of turns `first..last`
-    → the review the GRM should write for them."""
-    prompt = build_prompt(
+    """One SFT row `{"messages": [system, user, assistant, user, assistant, ...]}`: the review of
+    turns `first..last` as a conversation, each agent turn followed by the line the GRM should
+    write about it (`kitchen.critique`)."""
+    users = review_turns(
         traj, pc, first=first, last=last, clause_text=clause_text, **(rendering or {})
     )
-    text = format_review(review, turn_facts(traj, pc), first=first, last=last)
-    return {"messages": prompt + [{"role": "assistant", "content": text}], "trajectory": traj.id}
+    lines = format_lines(review, turn_facts(traj, pc), first=first, last=last)
+    return {"messages": conversation(users, lines), "trajectory": traj.id}
 
 
 def rows(
@@ -463,10 +487,9 @@ def rows(
     max_window: int,
     clause_text: str = "compact",
 ) -> list[dict[str, Any]]:
-    """The training rows of one example: the whole dialogue (fullest rendering), or — with
-    probability `augment`, and always when it has more than `max_window` turns — windows of at
-    most `max_window` turns in a more compact rendering, as the truncation rule reviews long
-    dialogues."""
+    """The training rows of one example: the whole dialogue, or — with probability `augment`,
+    and always when it has more than `max_window` turns — consecutive windows in the compact
+    rendering, as the truncation rule reviews dialogues too long for the GRM's context."""
     n = len(traj.turns)
     if n == 0:
         return []
@@ -474,11 +497,8 @@ def rows(
         return [example_row(traj, pc, review, clause_text=clause_text)]
     out, first = [], 0
     while first < n:
-        last = min(n - 1, first + rng.randint(max(1, max_window // 2), max_window) - 1)
-        if first == 0 and last == n - 1:
-            rendering = rng.choice(RENDERINGS[1:])
-        else:
-            rendering = RENDERINGS[-1]
+        size = rng.randint(max(1, min(max_window, n) // 2), max(1, min(max_window, n)))
+        last = min(n - 1, first + size - 1)
         out.append(
             example_row(
                 traj,
@@ -486,7 +506,7 @@ def rows(
                 review,
                 first=first,
                 last=last,
-                rendering=rendering,
+                rendering=RENDERINGS[-1],
                 clause_text=clause_text,
             )
         )
@@ -508,7 +528,9 @@ def pool(
     """`n` scripted dialogues of `split` shared among the agents of `mix`, plus the policy
     samples given, each edited into a near miss with probability `near_misses` or given an
     attack or rewording of the split's half of the corpus with probability `adversarial_share`.
-    Sources read `grm`, `sft`, `ideal`, `policy`, with `+<edit>` when edited."""
+    A near-miss dialogue gets one to three edits (on turns drawn independently), since one
+    dialogue holds many passes of a clause for each violation. Sources read `grm`, `sft`,
+    `ideal`, `policy`, with `+<edit>` for each kind of edit made."""
     from kitchen.scripted import GRM_QUIRKS, IDEAL_QUIRKS, SFT_QUIRKS, episodes
 
     agents = {"grm": GRM_QUIRKS, "sft": SFT_QUIRKS, "ideal": IDEAL_QUIRKS}
@@ -526,12 +548,17 @@ def pool(
     out: list[Example] = []
     for t, pc, src in base:
         u = rng.random()
-        edit = None
-        if u < near_misses:
-            edit = near_miss(t, pc, rng)
+        names = []
+        if u < near_misses:  # one to three near misses on different turns
+            for _ in range(rng.randint(1, 3)):
+                edit = near_miss(t, pc, rng)
+                if edit is not None:
+                    t, names = edit[0], [*names, edit[1]]
         elif u < near_misses + adversarial_share:
             edit = adversarial(t, rng, split)
-        out.append((edit[0], pc, f"{src}+{edit[1]}") if edit else (t, pc, src))
+            if edit is not None:
+                t, names = edit[0], [edit[1]]
+        out.append((t, pc, "+".join([src, *sorted(set(names))])))
     return out
 
 
@@ -717,15 +744,17 @@ def write_grm_data(
             "rows": len(out_rows),
             "pool": len(examples),
             "sources": dict(Counter(src for (_, _, src), _ in chosen).most_common()),
-            "long": sum(len(t.turns) > review.max_window_turns for (t, _, _), _ in chosen),
+            "meals": sum(bool(t.task.courses) for (t, _, _), _ in chosen),
             "mix": mix_table(rev for _, rev in chosen),
-            "prompt_chars": sum(len(r["messages"][1]["content"]) for r in out_rows)
-            // max(len(out_rows), 1),
-            "review_chars": sum(len(r["messages"][2]["content"]) for r in out_rows)
-            // max(len(out_rows), 1),
+            "prompt_chars": sum(_chars(r, "user") for r in out_rows) // max(len(out_rows), 1),
+            "review_chars": sum(_chars(r, "assistant") for r in out_rows) // max(len(out_rows), 1),
         }
     atomic_write_json(out / "stats.json", stats)
     return stats
+
+
+def _chars(row: dict[str, Any], role: str) -> int:
+    return sum(len(m["content"]) for m in row["messages"] if m["role"] == role)
 
 
 def read_labelled(path: str | os.PathLike) -> list[tuple[Trajectory, PersonalConstitution]]:

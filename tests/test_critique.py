@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kitchen.critique import (
-    build_prompt,
-    format_review,
+    conversation,
+    format_lines,
     parse_review,
     plan_windows,
-    render_turns,
+    review_turns,
     sanitize,
     turn_facts,
     vote,
@@ -31,17 +31,21 @@ def dialogues():
     return out
 
 
-def test_review_text_round_trips_the_judge(dialogues):
-    """format_review → parse_review gives back every verdict of the judge, whole and windowed."""
+def test_review_lines_round_trip_the_judge(dialogues):
+    """format_lines → parse_review gives back every verdict of the judge, whole and windowed,
+    and the overall verdict."""
     for traj, pc in dialogues:
         ref = judge(traj, pc)
         facts = turn_facts(traj, pc)
-        got = parse_review(format_review(ref, facts), turns=range(ref.turns), clauses=pc.ids)
+        lines = format_lines(ref, facts)
+        assert [ln.split(" ", 1)[0] for ln in lines] == [f"t{t}" for t in range(ref.turns)]
+        got = parse_review(lines, turns=range(ref.turns), clauses=pc.ids)
         assert got.table() == ref.table() and got.parsed_fraction == 1.0
+        assert got.overall == ref.overall
         if ref.turns > 2:
             first, last = 1, ref.turns - 2
             part = parse_review(
-                format_review(ref, facts, first=first, last=last),
+                "\n".join(format_lines(ref, facts, first=first, last=last)),
                 turns=range(first, last + 1),
                 clauses=pc.ids,
             )
@@ -80,12 +84,14 @@ def test_facts_name_the_allergen_hit_and_the_missing_check(dialogues):
 
 
 def test_missing_and_garbled_lines_are_masked_not_zero():
-    text = "t0 search thai; cuisine named => T5+\nt1 chat => A2+ T3?\noverall: pass"
-    r = parse_review(text, turns=range(3), clauses=["A2", "T3", "T5"])
+    lines = ["t0 search thai; cuisine named => T5+", "t1 chat => A2+ T3?", None]
+    r = parse_review(lines, turns=range(3), clauses=["A2", "T3", "T5"])
     table = r.table()
     assert table[(0, "T5")] == "pass" and table[(0, "A2")] == "n/a"
     assert table[(1, "A2")] is None and table[(2, "T3")] is None  # garbled, missing
-    assert r.parsed_fraction == pytest.approx(3 / 9) and r.overall == "pass"
+    assert r.parsed_fraction == pytest.approx(3 / 9) and r.overall is None  # left open
+    bad = parse_review(["t0 chat => A2-", None], turns=range(2), clauses=["A2"])
+    assert bad.overall == "violate"  # a violation decides it whatever is masked
 
 
 def test_first_line_of_a_turn_counts_and_unknown_clauses_are_ignored():
@@ -103,7 +109,7 @@ def test_parser_never_crashes(text):
 
 def test_vote_majority_and_ties():
     def one(entries: str):
-        return parse_review(f"t0 x => {entries}", turns=[0], clauses=["A1", "T3"])
+        return parse_review([f"t0 x => {entries}"], turns=[0], clauses=["A1", "T3"])
 
     v = vote([one("A1+ T3-"), one("A1+ T3+"), one("A1- T3-")])
     assert v.table() == {(0, "A1"): "pass", (0, "T3"): "violate"}
@@ -117,17 +123,29 @@ def test_untrusted_text_cannot_start_a_line_or_forge_a_delimiter():
     assert "\n" not in clean and "<|" not in clean and "|>" not in clean
 
 
-def test_prompt_shows_facts_and_windows_keep_what_later_turns_need(dialogues):
+def test_a_review_is_a_conversation_one_turn_per_exchange(dialogues):
     traj, pc = next((t, p) for t, p in dialogues if len(t.turns) >= 8)
-    full = build_prompt(traj, pc)[1]["content"]
-    assert full.count("\nt") >= len(traj.turns) and full.endswith(f"t0-t{len(traj.turns) - 1}")
+    users = review_turns(traj, pc)
+    assert len(users) == len(traj.turns)
+    assert users[0].startswith("<|constitution|>") and "request:" in users[0]
+    for t, u in enumerate(users):
+        assert u.startswith(f"t{t} agent") or f"\nt{t} agent" in u
+        assert f"t{t + 1} agent" not in u
+    lines = format_lines(judge(traj, pc), turn_facts(traj, pc))
+    msgs = conversation(users, lines)
+    assert [m["role"] for m in msgs] == ["system"] + ["user", "assistant"] * len(users)
+    assert conversation(users[:4], lines[:3])[-1] == {"role": "user", "content": users[3]}
+
+
+def test_windows_keep_what_later_turns_need(dialogues):
+    traj, pc = next((t, p) for t, p in dialogues if len(t.turns) >= 8)
     first = len(traj.turns) // 2
-    window = render_turns(traj, first=first, compact_tools=True, clip=12)
-    context = [ln for ln in window.splitlines() if re.match(rf"t([0-{first - 1}]|\d\d) agent:", ln)]
-    assert len(context) >= min(first, 10)
-    searches = [i.turn for i in traj.turns if i.action.tool == "search" and i.turn < first]
-    for t in searches:  # a search's answer stays visible as dish names
-        line = next(ln for ln in window.splitlines() if ln.startswith(f"t{t} agent:"))
+    users = review_turns(traj, pc, first=first, clip=12)
+    head = users[0].splitlines()
+    context = [ln for ln in head if re.match(r"t\d+ agent:", ln)]
+    assert [int(ln.split()[0][1:]) for ln in context] == list(range(first))
+    for t in (i.turn for i in traj.turns if i.action.tool == "search" and i.turn < first):
+        line = next(ln for ln in head if ln.startswith(f"t{t} agent:"))
         assert "| tool: returned" in line or "no dishes" in line
 
 
@@ -139,7 +157,4 @@ def test_windows_cover_every_turn_once_and_respect_their_caps():
             assert covered == list(range(n))
             assert all(last - first + 1 <= min(cap, 6) for first, last, _ in w)
     # one turn that fits nowhere is still reviewed
-    assert plan_windows(2, lambda *a: False) == [
-        (0, 0, {"compact_tools": True, "clip": 12}),
-        (1, 1, {"compact_tools": True, "clip": 12}),
-    ]
+    assert plan_windows(2, lambda *a: False) == [(0, 0, {"clip": 12}), (1, 1, {"clip": 12})]

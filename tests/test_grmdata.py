@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
 
@@ -34,9 +33,11 @@ def dialogues():
     return episodes(120, split="train", seed=11, quirks=SFT_QUIRKS, long_share=0.5)
 
 
-def _window(prompt: str) -> tuple[int, int]:
-    first, last = re.search(r"review turns t(\d+)-t(\d+)$", prompt).groups()
-    return int(first), int(last)
+def _turns(row: dict) -> list[int]:
+    """The turns a row's conversation reviews (from its review lines)."""
+    return [
+        int(m["content"].split(" ", 1)[0][1:]) for m in row["messages"] if m["role"] == "assistant"
+    ]
 
 
 def test_resize_gives_exact_lengths_and_keeps_the_dishes(dialogues):
@@ -137,11 +138,12 @@ def test_rows_ask_for_their_turns_and_target_the_judge():
         out = rows(traj, pc, ref, rng, augment=0.3, max_window=8)
         covered = []
         for row in out:
-            first, last = _window(row["messages"][1]["content"])
-            covered += range(first, last + 1)
-            got = parse_review(
-                row["messages"][2]["content"], turns=range(first, last + 1), clauses=pc.ids
-            )
+            turns = _turns(row)
+            first, last = turns[0], turns[-1]
+            assert turns == list(range(first, last + 1))
+            covered += turns
+            lines = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+            got = parse_review(lines, turns=turns, clauses=pc.ids)
             assert got.table() == {k: v for k, v in ref.table().items() if first <= k[0] <= last}
         assert covered == list(range(len(traj.turns)))
         long_seen += len(traj.turns) > 8 and len(out) > 1
