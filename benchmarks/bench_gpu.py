@@ -93,7 +93,7 @@ SMALL = {
 # The per-method workload: B = tasks × K episodes decoded together (64 on a GPU), the GRM's review
 # budget (kitchen.decide assumes every review of this benchmark fills it: 256, 64 with --small).
 WORK = {
-    "full": {"tasks": 8, "k": 8, "turns": 4, "tokens": 96, "review": 256, "grm_batch": 32,
+    "full": {"tasks": 8, "k": 8, "turns": 4, "tokens": 96, "review": 128, "grm_batch": 32,
              "minibatch": 32},
     "small": {"tasks": 2, "k": 2, "turns": 2, "tokens": 12, "review": 64, "grm_batch": 4,
               "minibatch": 4},
@@ -218,7 +218,7 @@ def method_recipe(folder: Path, method: str, cuda: bool, work: dict, iterations:
                 "model": str(folder),
                 "adapter": "grm",
                 "clause_text": "full",
-                "max_prompt_tokens": 2048,
+                "max_context_tokens": 4096,
                 "max_new_tokens": work["review"],
                 "batch_size": work["grm_batch"],
             },
@@ -284,7 +284,7 @@ def bench_method(
             if time.monotonic() > deadline:
                 out["cut_short"] = f"out of time after {it} of {iterations} iterations"
                 break
-            before = run.grm.stats["generations"]
+            before = run.grm.stats["lines"]
             mem.reset()
             t0 = time.perf_counter()
             with random_weights_loop(on_rollout):
@@ -295,7 +295,7 @@ def bench_method(
                 "rollout_engine": stats.engine,
                 "rollout_tokens": stats.tokens,
                 "reviews_per_s": m["speed/reviews_per_s"],
-                "review_generations": run.grm.stats["generations"] - before,
+                "review_lines": run.grm.stats["lines"] - before,
                 "update_tokens_per_s": m.get("speed/update_tokens_per_s"),
                 "step_samples": m.get("train/step_samples", 0),
                 "kl_mean": m.get("kl/mean"),
@@ -372,7 +372,7 @@ def recipe_phase(
         changes["train"]["tasks_per_iteration"] = 1
         changes["eval"]["tasks"] = 1
         changes["rollout"] = {"k": 2, "max_turns": 2, "max_new_tokens": 12, "batch_size": 8}
-        changes["grm"] |= {"max_new_tokens": 32, "batch_size": 8, "max_prompt_tokens": 1024}
+        changes["grm"] |= {"max_new_tokens": 32, "batch_size": 8, "max_context_tokens": 1024}
     for key, value in changes.items():
         doc[key] = doc[key] | value
     recipe = type(recipe).model_validate(doc)

@@ -145,8 +145,36 @@ def _grm_calibrate(args: argparse.Namespace) -> int:
     from kitchen.calibrate import grm_calibrate_main
 
     return grm_calibrate_main(
-        grm=args.grm, n=args.n, votes=args.votes, labels=args.labels, out=args.out
+        grm=args.grm,
+        n=args.n,
+        votes=args.votes,
+        labels=args.labels,
+        out=args.out,
+        temperatures=args.temperatures,
+        perturb=args.perturb,
+        cascade=args.cascade,
+        seed=args.seed,
     )
+
+
+def _temperatures(text: str) -> list[float]:
+    """An argparse `type`: comma-separated sampling temperatures in (0, 2]."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0.3,0.7, got {text!r}") from None
+    if not values or any(not 0 < v <= 2 for v in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be in (0, 2], got {text!r}")
+    return values
+
+
+def _clauses(text: str) -> list[str]:
+    """An argparse `type`: comma-separated clause ids (checked against the constitution later)."""
+    ids = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in ids if not x.isalnum()]
+    if bad:
+        raise argparse.ArgumentTypeError(f"not a clause id: {bad[0]!r} (e.g. T3,T6)")
+    return ids
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -279,8 +307,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_grm_train)
     p = gsub.add_parser("calibrate", help="GRM vs judge (and human labels): the calibration report")
     p.add_argument("--grm", default=None, help="GRM checkpoint (default: the shipped tiny GRM)")
-    p.add_argument("--n", type=int, default=200, help="held-out trajectories (default 200)")
-    p.add_argument("--votes", type=int, default=5, help="samples for the voting comparison")
+    p.add_argument(
+        "--n", type=count(1, 100_000), default=200, help="held-out trajectories (default 200)"
+    )
+    p.add_argument(
+        "--votes",
+        type=count(1, 16),
+        default=5,
+        help="samples per vote in the voting comparison (default 5; 1: no voting)",
+    )
+    p.add_argument(
+        "--temperatures",
+        type=_temperatures,
+        default=[0.3, 0.7, 1.0],
+        help="temperatures to vote at (default 0.3,0.7,1.0)",
+    )
+    p.add_argument(
+        "--perturb",
+        type=count(0, 10_000),
+        default=24,
+        help="dialogues given the held-out rewordings and attacks (default 24; 0: skip)",
+    )
+    p.add_argument(
+        "--cascade",
+        type=_clauses,
+        default=[],
+        help="clauses the rule judge decides, reported beside the GRM alone (e.g. T3,T6)",
+    )
+    p.add_argument("--seed", type=count(0), default=4242, help="held-out set seed (default 4242)")
     p.add_argument("--labels", default=None, help="human labels folder (default data/labels)")
     p.add_argument("--out", default=None, help="also write the report as JSON here")
     p.set_defaults(func=_grm_calibrate)

@@ -742,7 +742,8 @@ class CostInputs(StrictModel):
             "turns": w.get("turns", recipe.rollout.max_turns),
             "tokens_per_turn": w.get("generated_tokens_per_turn", recipe.rollout.max_new_tokens),
             "other_tokens_per_turn": w.get("other_tokens_per_turn", 40),
-            "review_tokens": recipe.grm.max_new_tokens,
+            # a review writes one line per turn, each within the GRM's line budget
+            "review_tokens": recipe.grm.max_new_tokens * w.get("turns", recipe.rollout.max_turns),
             "votes": recipe.grm.samples if recipe.reward.reviewer == "grm" else 0,
             "minibatch": recipe.train.minibatch,
             "rollout_batch": recipe.rollout.batch_size,

@@ -298,6 +298,79 @@ def personalisation(
     return out
 
 
+#: The clause each profile group's preference turns on: what a personal policy must do for it.
+GROUP_CLAUSES = (
+    ("verbosity", "brief", "T3"),  # short messages
+    ("verbosity", "detailed", "T6"),  # described recommendations
+    ("pace", "hurried", "T4"),  # the recommendation first
+)
+
+
+def ratio_interval(
+    pairs: Sequence[tuple[float, float]], n: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
+    """(Σa/Σb, low, high) over per-episode pairs (a, b), with a percentile bootstrap interval
+    that resamples *episodes* (verdicts of one episode are not independent); NaNs when Σb = 0."""
+    total = sum(b for _, b in pairs)
+    if not pairs or total == 0:
+        return math.nan, math.nan, math.nan
+    rng = random.Random(seed)
+    k = len(pairs)
+    stats = []
+    for _ in range(n):
+        draw = [pairs[rng.randrange(k)] for _ in range(k)]
+        den = sum(b for _, b in draw)
+        if den:
+            stats.append(sum(a for a, _ in draw) / den)
+    stats.sort()
+    lo = stats[int((1 - level) / 2 * len(stats))]
+    hi = stats[min(len(stats) - 1, int((1 + level) / 2 * len(stats)))]
+    return sum(a for a, _ in pairs) / total, lo, hi
+
+
+def personal_rates(
+    trajs: Sequence[Trajectory],
+    pcs: Sequence[PersonalConstitution],
+    reviews: Sequence[Review] | None = None,
+    *,
+    n: int = 2000,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Per profile group (`GROUP_CLAUSES`): how often the clause its preference turns on passed,
+    and the words per message its diners got, each with a 95% bootstrap interval over episodes.
+    One row per group: {group, clause, episodes, pass, pass_low, pass_high, words, words_low,
+    words_high}; rates over nothing are NaN."""
+    reviews = reviews or [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
+    rows = []
+    for dim, value, clause in GROUP_CLAUSES:
+        verdicts, words = [], []
+        for t, pc, r in zip(trajs, pcs, reviews, strict=True):
+            if pc.dimensions.get(dim) != value:
+                continue
+            vs = [v.verdict for v in r.verdicts if v.clause == clause]
+            verdicts.append(
+                (sum(v == "pass" for v in vs), sum(v in ("pass", "violate") for v in vs))
+            )
+            says = [word_count(ti.action.text) for ti in t.turns if ti.action.kind == "say"]
+            words.append((sum(says), len(says)))
+        p, p_lo, p_hi = ratio_interval(verdicts, n=n, seed=seed)
+        w, w_lo, w_hi = ratio_interval(words, n=n, seed=seed)
+        rows.append(
+            {
+                "group": f"{dim}={value}",
+                "clause": clause,
+                "episodes": len(verdicts),
+                "pass": p,
+                "pass_low": p_lo,
+                "pass_high": p_hi,
+                "words": w,
+                "words_low": w_lo,
+                "words_high": w_hi,
+            }
+        )
+    return rows
+
+
 def reward_gap(
     grm_reviews: Sequence[Review],
     judge_reviews: Sequence[Review],

@@ -54,7 +54,15 @@ from pydantic import Field
 
 from kitchen.config import StrictModel
 from kitchen.constitution import PersonalConstitution
-from kitchen.world import DEFAULT_MAX_TURNS, Menu, Task, Trajectory, World, load_menu
+from kitchen.world import (
+    DEFAULT_MAX_TURNS,
+    LONG_MAX_TURNS,
+    Menu,
+    Task,
+    Trajectory,
+    World,
+    load_menu,
+)
 
 Candidate = tuple[list[int], str, list[float], bool]  # token ids, text, log-probs, truncated
 
@@ -68,7 +76,18 @@ class RolloutConfig(StrictModel):
         description="Samples per (task, profile): the task group. GRPO-style "
         "methods need K >= 2; 8 is a common compromise between variance and cost.",
     )
-    max_turns: int = Field(DEFAULT_MAX_TURNS, ge=1, description="Assistant turns per episode.")
+    max_turns: int = Field(
+        DEFAULT_MAX_TURNS,
+        ge=1,
+        description="Assistant turns per episode of a single-dish task (10: the ideal agent "
+        "needs 3–6).",
+    )
+    long_max_turns: int = Field(
+        LONG_MAX_TURNS,
+        ge=1,
+        description="Assistant turns per episode of a meal (a long task of several courses). "
+        "24: the ideal agent needs 12–20.",
+    )
     max_new_tokens: int = Field(
         48,
         ge=1,
@@ -223,7 +242,7 @@ def rollout(
     for j, (task, pc, diner) in enumerate(jobs):
         g = guard(pc) if guard else None
         for k in range(cfg.k):
-            w = World(menu, max_turns=cfg.max_turns)
+            w = World(menu, max_turns=cfg.long_max_turns if task.courses else cfg.max_turns)
             w.reset(
                 task,
                 pc.dimensions,
@@ -310,7 +329,7 @@ def _play_fast(model, tok, worlds, guards, names, cfg, stats, seed) -> None:
 
 def _play_generate(model, tok, worlds, guards, cfg, stats, seed) -> None:
     """The generate path: the live episodes re-packed into batches every turn."""
-    for turn in range(cfg.max_turns):
+    for turn in range(max(cfg.max_turns, cfg.long_max_turns)):
         live = [i for i, w in enumerate(worlds) if not w.traj.done]
         if not live:
             break

@@ -125,15 +125,15 @@ GRM_QUIRKS = Quirks(
     no_consent=0.25,
     small_talk=0.4,
     no_ask_when_ambiguous=0.5,
-    ignore_diet=0.5,
+    ignore_diet=0.6,
     follow_profile_style=0.0,
     bundle_courses=0.2,
     upsell=0.3,
-    ask_pii=0.15,
-    unreturned_dish=0.15,
-    order_rejected=0.15,
-    allergen_pick=0.2,
-    extra_order=0.15,
+    ask_pii=0.25,
+    unreturned_dish=0.25,
+    order_rejected=0.3,
+    allergen_pick=0.4,
+    extra_order=0.25,
 )
 #: The agent the constitution asks for (a reference for evaluation and tests).
 IDEAL_QUIRKS = Quirks(

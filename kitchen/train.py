@@ -198,6 +198,13 @@ class TrainConfig(StrictModel):
         "them, so states recur and the buffer's state groups fill. At most 5,000: the pool is "
         "drawn before the first iteration (2,000 take ~10 s on a CPU).",
     )
+    long_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of the task pool that are meals (long tasks: several courses, "
+        "12–20 turns, played with `rollout.long_max_turns`). 0: single dishes only.",
+    )
     lr: float = Field(
         2e-4,
         gt=0,
@@ -613,19 +620,26 @@ def pack_units(tok: Any, items: Sequence[tuple[str, int, str, Sequence[int]]]) -
 
 
 def minibatches(units: Sequence[Unit], order: Sequence[int], size: int) -> list[list[Unit]]:
-    """Consecutive groups of units (in `order`) holding about `size` step samples each."""
-    out: list[list[Unit]] = []
-    cur: list[Unit] = []
+    """Groups of units holding about `size` step samples each, of similar length, in a random
+    order: the units are sorted by length (ties in `order`), cut into consecutive groups, and
+    the groups visited in the order of their first unit in `order`. Similar lengths waste
+    little padding — a minibatch is padded to its longest sequence, and a meal's sequence is
+    four times a single dish's."""
+    rank = {u: i for i, u in enumerate(order)}
+    by_length = sorted(order, key=lambda u: (len(units[u][0]), rank[u]))
+    groups: list[list[int]] = []
+    cur: list[int] = []
     count = 0
-    for u in order:
-        cur.append(units[u])
+    for u in by_length:
+        cur.append(u)
         count += len(units[u][1])
         if count >= size:
-            out.append(cur)
+            groups.append(cur)
             cur, count = [], 0
     if cur:
-        out.append(cur)
-    return out
+        groups.append(cur)
+    groups.sort(key=lambda g: min(rank[u] for u in g))
+    return [[units[u] for u in g] for g in groups]
 
 
 def unit_tensors(
@@ -764,7 +778,12 @@ class Run:
         self.trajs: dict[str, tuple[Trajectory, PersonalConstitution]] = {}
         split_profiles("train")  # no training diner: a located error, not a crash in the draw
         self.pool = pair_jobs(
-            "train", recipe.train.task_pool, recipe.seed, self.constitution, cache=self.cache
+            "train",
+            recipe.train.task_pool,
+            recipe.seed,
+            self.constitution,
+            cache=self.cache,
+            long_share=recipe.train.long_share,
         )
         # the last iteration's episodes, reviews and per-turn advantages (notebooks browse them)
         self.last: dict[str, Any] = {}
@@ -1038,8 +1057,11 @@ class Run:
 
     def evaluate(self) -> dict[str, Any]:
         """Held-out evaluation of the current policy (rule judge); appends to eval.jsonl."""
-        rep = held_out_report(self.model, self.tok, self.recipe, self.constitution)
+        rep, kinds = held_out_report(
+            self.model, self.tok, self.recipe, self.constitution, by_kind=True
+        )
         row = json_ready({"iteration": self.iteration, **rep.model_dump(mode="json")})
+        row["by_kind"] = {k: json_ready(r.model_dump(mode="json")) for k, r in kinds.items()}
         write_jsonl(self.folder / "eval.jsonl", [row], append=True)
         out = {
             "eval/success": rep.success,
@@ -1048,6 +1070,9 @@ class Run:
             "eval/valid_actions": rep.valid_actions,
         }
         out |= {f"eval/{c}_pass_rate": v for c, v in rep.clause_pass.items()}
+        if len(kinds) > 1:  # a mixed held-out set: each kind's curve too
+            for kind, r in kinds.items():
+                out |= {f"eval/{kind}_compliance": r.compliance, f"eval/{kind}_success": r.success}
         return out
 
     # -- persistence ------------------------------------------------------------------------
@@ -1135,14 +1160,27 @@ def load_run_policy(folder: str | os.PathLike) -> tuple[Any, Any]:
     return model, tok
 
 
-def held_out_report(model: Any, tok: Any, recipe: Recipe, constitution: Any = None) -> Any:
+def held_out_report(
+    model: Any, tok: Any, recipe: Recipe, constitution: Any = None, *, by_kind: bool = False
+) -> Any:
     """`recipe.eval`'s held-out jobs played by `model` (the recipe's rollout settings, k =
-    `eval.samples`), judged by rules: the evaluation `kitchen cook` logs every `eval_every`."""
+    `eval.samples`), judged by rules: the evaluation `kitchen cook` logs every `eval_every`.
+    With `by_kind`, `(report, {"short": report, "long": report})` — the same episodes split by
+    task kind (a kind the held-out set lacks is left out)."""
     cfg = recipe.eval
     jobs = eval_jobs(cfg, constitution)
     rcfg = recipe.rollout.model_copy(update={"k": cfg.samples})
     trajs, _ = rollout(model, tok, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
-    return policy_report(trajs, [pc for _, pc, _ in jobs for _ in range(cfg.samples)])
+    pcs = [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
+    report = policy_report(trajs, pcs)
+    if not by_kind:
+        return report
+    kinds = {}
+    for kind, meal in (("short", False), ("long", True)):
+        idx = [i for i, t in enumerate(trajs) if bool(t.task.courses) == meal]
+        if idx:
+            kinds[kind] = policy_report([trajs[i] for i in idx], [pcs[i] for i in idx])
+    return report, kinds
 
 
 PREFLIGHT_PARSED = 0.5  # share of verdicts a GRM must write on scripted dialogues (`preflight`)

@@ -46,7 +46,7 @@ def test_gpu_check_runs_on_a_cpu_in_small_shape(tmp_path):
         assert all(
             r["step_samples"] > 0 and r["update_tokens_per_s"] > 0 for r in method["iterations"]
         )
-        assert all(r["review_generations"] > 0 for r in method["iterations"])
+        assert all(r["review_lines"] > 0 for r in method["iterations"])
         assert method["policy_adapter_moved"] and not method["grm_adapter_moved"]
         assert method["rollout_fast_ran"] == "fast" and method["rollout_generate_ran"] == "generate"
         assert (

@@ -301,7 +301,7 @@ def test_gpu_recipe_path_runs_on_a_cpu_in_small_shape(runs_dir):
         "name": "gpu-small",
         "policy": doc["policy"] | {"path": POLICY, "quantization": "none", "lora": {"r": 4}},
         "grm": doc["grm"]
-        | {"model": POLICY, "max_prompt_tokens": 1024, "max_new_tokens": 16, "batch_size": 8},
+        | {"model": POLICY, "max_context_tokens": 1024, "max_new_tokens": 16, "batch_size": 8},
         "rollout": {"k": 2, "max_turns": 3, "max_new_tokens": 32},
         "train": doc["train"] | {"iterations": 1, "tasks_per_iteration": 2, "lr": 1e-2},
         "eval_every": 0,
@@ -311,12 +311,12 @@ def test_gpu_recipe_path_runs_on_a_cpu_in_small_shape(runs_dir):
     run = Run(Recipe.model_validate(doc), runs_dir / "gpu-small", progress=False)
     params = dict(run.model.named_parameters())
     before = {k: v.detach().clone() for k, v in params.items()}
-    generations = run.grm.stats["generations"]
+    lines = run.grm.stats["lines"]
     m = run.step()
     moved = {k for k, v in before.items() if not torch.equal(v, params[k].detach())}
     assert moved and all(f".{run.adapter}." in k for k in moved), sorted(moved)[:5]
     assert any(".grm." in k for k in before)  # the GRM adapter is on the same base
-    assert run.grm.stats["generations"] > generations and m["grm/parsed"] >= 0
+    assert run.grm.stats["lines"] > lines and m["grm/parsed"] >= 0
     assert m["train/step_samples"] > 0 and m["kl/mean"] >= 0
 
 
