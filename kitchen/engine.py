@@ -656,7 +656,7 @@ class Engine:
         from kitchen.models import disable_cpu_4bit_repacking
 
         if not getattr(model, "_kitchen_4bit_checked", False):
-            disable_cpu_4bit_repacking(model)  # before the first eval/no_grad forward (NOTES.md)
+            disable_cpu_4bit_repacking(model)  # before the first no_grad forward (models.py)
 
     # -- public -------------------------------------------------------------------------------
 

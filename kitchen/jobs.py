@@ -8,12 +8,12 @@ tasks with training profiles, evaluation held-out with held-out; a pair for whic
 menu fits the diner is skipped, since an impossible request would teach only apologies.
 
 `kitchen.train` (the task pool), `kitchen.evaluate` (the held-out set) and the TRL and verl
-integrations draw their jobs here, so the same seed gives the same jobs everywhere. This is seed
-000's `sample_tasks(user_pool)` (pseudo-code line 3): tasks sampled along the profile
+integrations draw their jobs here, so the same seed gives the same jobs everywhere. This is the
+loop's first step in docs/method.md#policy-update: tasks sampled along the profile
 distribution.
 
-Departures from the seeds:
-1. Pairs no menu dish can satisfy are skipped rather than played: the seeds sample freely, but
+Departures from the method (docs/method.md):
+1. Pairs no menu dish can satisfy are skipped rather than played: the method samples freely, but
    here an impossible request would only teach the policy to apologise.
 2. Profiles are drawn uniformly from their split (or in turn, for evaluation), not weighted by how
    often such users come: the shipped profiles are a designed spread, not a population sample.

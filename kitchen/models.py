@@ -1,6 +1,6 @@
 """Models: the tiny policy the kit trains itself, any Hugging Face causal LM, LoRA/QLoRA adapters.
 
-DESIGN §5 asks for two kinds of model behind one interface:
+The kit needs two kinds of model behind one interface (docs/method.md#cold-start):
 
 - **The embedded default** (the cold start): a byte-level BPE tokenizer trained here with the
   `tokenizers` library and a Qwen2-style causal LM of about 2M parameters built from
@@ -22,7 +22,7 @@ The chat format is ChatML, fixed because other modules parse it: each message re
 message's content *and its* `<|im_end|>` sit inside `{% generation %}` markers, so TRL's
 assistant-only loss teaches the model to stop (the newline after it is not the model's to emit).
 
-The CPU 4-bit trap (NOTES.md): on CPUs with AVX512-BF16, bitsandbytes' `Linear4bit` repacks its
+The CPU 4-bit trap (measured on these machines): on CPUs with AVX512-BF16, bitsandbytes' `Linear4bit` repacks its
 weights for a fast CPU kernel the first time it runs in eval mode under `no_grad` — e.g. the first
 `generate` of a rollout — and that packed layout breaks every later training backward (LoRA
 gradients come back `None`, or the backward raises). `disable_cpu_4bit_repacking` switches the
@@ -558,7 +558,7 @@ def _load_adapter_folder(spec: ModelSpec, folder: Path) -> tuple[Any, Any]:
 def disable_cpu_4bit_repacking(model: torch.nn.Module) -> int:
     """Keep bitsandbytes from repacking 4-bit weights on CPU; return how many layers were set.
 
-    The trap (NOTES.md): `Linear4bit.forward` on a CPU with AVX512-BF16, in eval mode, with an
+    The trap (the module docstring): `Linear4bit.forward` on a CPU with AVX512-BF16, in eval mode, with an
     input that needs no grad, converts its weight to a packed CPU layout *in place* and for good.
     After that, backward passes through the layer lose the LoRA gradients (or raise). Clearing
     `support_avx512bf16_for_cpu` before the first forward prevents the repacking; a layer that was

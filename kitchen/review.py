@@ -1,8 +1,9 @@
 """A review of a trajectory, clause by clause, and the rewards it implies.
 
-Seed 000 (step 4) asks the reward model for structured output organised by clause — which clauses
-were kept, which broken, why — rather than one score, because that structure *is* the process
-reward: every step and every clause gets its own verdict. DESIGN §1 turns it into numbers:
+The method asks the reward model for structured output organised by clause — which clauses were
+kept, which broken, why — rather than one score, because that structure *is* the process reward:
+every step and every clause gets its own verdict (docs/method.md#grm). Into numbers
+(docs/method.md#rewards):
 
 - **local reward** of assistant turn t (equation, with s = +1 for pass, −1 for violate, and
   A_t the clauses that apply at t — n/a and masked verdicts excluded):
@@ -19,7 +20,7 @@ Both the independent rule judge (`kitchen.judge`) and the generative reward mode
 (`kitchen.grm`) produce a `Review`, so rewards, metrics and charts treat them alike and
 `contributions` traces every reward back to the clauses that produced it.
 
-Departures from the seeds:
+Departures from the method (docs/method.md):
 1. "mean" is the default: in "sum" mode a turn where more clauses apply (a recommendation) is
    rewarded or punished more than a turn where few do (a search), whatever the agent did. Group
    normalisation later removes scale, not this bias.
