@@ -1,3 +1,14 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "kitchen",
+#     "marimo>=0.25",
+# ]
+#
+# [tool.uv.sources]
+# kitchen = { path = "..", editable = true }
+# ///
+
 import marimo
 
 __generated_with = "0.25.2"
@@ -10,16 +21,19 @@ def _(mo):
     # 03 · The generative reward model: a reviewer that reads the constitution
 
     RL needs a reward for every turn. A scalar reward model would say *how good* a turn was; a
-    **generative reward model** (GRM) says *which rule* was kept or broken, and why (seed 000,
-    step 4; seed 001, §5.2). It reads the diner's personal constitution and the whole dialogue,
-    writes a short critique, then one verdict per agent turn and clause: `+` pass, `-` violate,
-    absent = not applicable. Those verdicts are the process reward (`kitchen.review`).
+    **generative reward model** (GRM) says *which rule* was kept or broken, and why
+    ([docs/method.md](../docs/method.md#grm)). It reads the diner's personal constitution and the
+    dialogue turn by turn, and after each agent turn writes one line: what the turn did and the
+    facts every clause turns on (the *critique*), then `=>` and one verdict per clause that
+    applies — `+` pass, `-` violate. Those verdicts are the process reward (`kitchen.review`).
 
     Because the rules are part of the *input*, one GRM serves every diner's constitution. The
-    tiny GRM shipped in `data/models/grm-tiny` was trained from scratch by
-    `kitchen grm train recipes/grm_tiny.yaml` on reviews written by the rule judge. This
-    notebook looks at one review, measures the GRM against the judge, lets you label verdicts
-    yourself, and shows what voting over several samples buys.
+    tiny GRM in `data/models/grm-tiny` was trained from scratch by
+    `kitchen grm train recipes/grm_tiny.yaml` on reviews the rule judge wrote — balanced so every
+    clause's violations are well represented, with near misses and attacks
+    ([docs/method.md](../docs/method.md#grm-training)). This notebook reads one review, measures
+    the GRM against the judge clause by clause, tries to fool it, lets you label verdicts
+    yourself, and shows what voting buys.
     """)
     return
 
@@ -33,14 +47,10 @@ def _():
     import polars as pl
 
     from kitchen import charts, notebook, paths
-    from kitchen.calibrate import (
-        HumanLabel,
-        agreement,
-        calibration_set,
-        load_labels,
-        save_label,
-    )
-    from kitchen.grm import GRM, GRMConfig, build_prompt, parse_review, plan_windows
+    from kitchen.calibrate import agreement, calibration_set, perturbation_report
+    from kitchen.critique import conversation, review_turns
+    from kitchen.grm import GRM, GRMConfig
+    from kitchen.grmdata import HumanLabel, load_labels, save_label
     from kitchen.judge import judge
 
     return (
@@ -49,17 +59,17 @@ def _():
         HumanLabel,
         Path,
         agreement,
-        build_prompt,
         calibration_set,
         charts,
+        conversation,
         judge,
         load_labels,
         mo,
         notebook,
-        parse_review,
         paths,
+        perturbation_report,
         pl,
-        plan_windows,
+        review_turns,
         save_label,
         tempfile,
     )
@@ -70,9 +80,9 @@ def _(mo):
     mo.md(r"""
     ## 1 · One review
 
-    A pool of held-out dialogues — tasks and diners the GRM never saw in training: a third from a
-    scripted agent that breaks every clause, a third from the generic agent, a third played by
-    the SFT policy. Pick one.
+    A pool of held-out dialogues — tasks and diners the GRM never saw in training, single dishes
+    and meals: half from a scripted agent that breaks every clause, half from the generic agent.
+    Pick one.
     """)
     return
 
@@ -80,15 +90,21 @@ def _(mo):
 @app.cell
 def _(GRM, calibration_set, notebook):
     grm = GRM.load()
-    pool = calibration_set(notebook.arg("n", 12 if not notebook.interactive() else 60), seed=4242)
+    pool = calibration_set(
+        notebook.arg("n", 8 if notebook.small() else 16), seed=4242, policy=None, long_share=0.5
+    )
     return grm, pool
 
 
 @app.cell
 def _(mo, pool):
+    def _label(i, t, src):
+        kind = "meal" if t.task.courses else "dish"
+        return f"{i + 1:02d} · {kind} · {src.split('+')[0]} · {t.task.request[:60]}"
+
     pick = mo.ui.dropdown(
-        {f"{src} · {t.id} · {t.task.request}": i for i, (t, _, src) in enumerate(pool)},
-        value=next(f"{src} · {t.id} · {t.task.request}" for t, _, src in pool),
+        {_label(i, t, src): i for i, (t, _, src) in enumerate(pool)},
+        value=_label(0, pool[0][0], pool[0][2]),
         label="dialogue",
     )
     pick
@@ -98,29 +114,41 @@ def _(mo, pool):
 @app.cell(hide_code=True)
 def _(mo):
     mo.md(r"""
-    The prompt the GRM reads: the personal constitution (compact: clause ids with the diner's
-    parameters) and the dialogue, between delimiters. Agent text is **untrusted** — it is
-    escaped so it cannot forge a delimiter or a section header, and only what the GRM itself
-    generates is parsed. Agent messages carry their word count, because length rules should not
-    hinge on a small model's counting. Then, what the GRM wrote.
+    Left: what the GRM reads, one message per agent turn — the personal constitution (clause ids
+    with the diner's parameters), the request, then each turn with its answer. Agent text is
+    **untrusted**: it is escaped so it cannot forge a delimiter or start a line, and agent
+    messages carry their word count and the menu's facts about the dishes they name. Right: the
+    line the GRM wrote after each turn.
     """)
     return
 
 
 @app.cell
-def _(build_prompt, grm, mo, pick, plan_windows, pool):
+def _(grm, notebook, pick, pool, review_turns):
     traj, pc, _src = pool[pick.value]
-    _first, _last, _opts = plan_windows(traj, pc, grm.cfg, grm._count)[0]
-    _prompt = build_prompt(traj, pc, grm.cfg, first=_first, last=_last, **_opts)
-    (raw_review,) = grm.generate([_prompt])[0]
-    mo.hstack(
+    with notebook.spinner("The GRM reviews the dialogue", f"{len(traj.turns)} turns"):
+        (review,) = grm.review([traj], [pc])
+    raw_lines = grm.last_text[0][0].split("\n")
+    users = review_turns(traj, pc)
+    return pc, raw_lines, review, traj, users
+
+
+@app.cell
+def _(mo, raw_lines, users):
+    mo.vstack(
         [
-            mo.md(f"**prompt**\n```text\n{_prompt[1]['content']}\n```"),
-            mo.md(f"**the GRM wrote**\n```text\n{raw_review}\n```"),
-        ],
-        widths=[3, 2],
+            mo.hstack(
+                [
+                    mo.md(f"```text\n{u}\n```"),
+                    mo.md(f"```text\n{line}\n```"),
+                ],
+                widths=[3, 2],
+                align="start",
+            )
+            for u, line in zip(users, raw_lines, strict=False)
+        ]
     )
-    return pc, raw_review, traj
+    return
 
 
 @app.cell(hide_code=True)
@@ -133,12 +161,11 @@ def _(mo):
 
 
 @app.cell
-def _(charts, grm, judge, pc, traj):
-    (review,) = grm.review([traj], [pc])
+def _(charts, judge, pc, review, traj):
     reference = judge(traj, pc)
     review_cells = charts.review_frame(review, reference)
     charts.review_heatmap(review, reference, title=f"GRM review of {traj.id}")
-    return reference, review, review_cells
+    return reference, review_cells
 
 
 @app.cell(hide_code=True)
@@ -146,10 +173,12 @@ def _(mo):
     mo.md(r"""
     ## 2 · GRM versus judge, clause by clause
 
-    Every cell of every review in the pool, against the rule judge: accuracy over all cells
-    (most are "not applicable", which is easy), accuracy on the cells where the judge says pass
-    or violate (the ones that carry reward), and Cohen's kappa (agreement beyond chance).
-    `kitchen grm calibrate` computes the same on a larger held-out set.
+    Every cell of every review in the pool, against the rule judge: agreement over all cells
+    (most are "not applicable", which is easy), agreement on *decided* cells (where the judge
+    says pass or violate: the cells that carry reward), and per clause the **recall** of each
+    verdict — for an axiom, the share of its violations the GRM catches, the number that
+    matters most. `kitchen grm calibrate` computes the same on 200 dialogues, with the policy's
+    own rollouts; its report ships as `data/models/grm-tiny/calibration.json`.
     """)
     return
 
@@ -162,45 +191,67 @@ def _(mo):
 
 
 @app.cell
-def _(agree_button, agreement, grm, judge, mo, notebook, pl, pool):
+def _(agree_button, agreement, grm, judge, mo, notebook, pool):
     if notebook.gate(agree_button):
         pool_trajs = [t for t, _, _ in pool]
         pool_pcs = [c for _, c, _ in pool]
         judged = [judge(t, c) for t, c in zip(pool_trajs, pool_pcs, strict=True)]
-        greedy = grm.review(pool_trajs, pool_pcs)
+        greedy = []
+        for _i in notebook.progress(
+            range(0, len(pool), 4), title="Reviewing the pool", subtitle=f"{len(pool)} dialogues"
+        ):
+            greedy += grm.review(pool_trajs[_i : _i + 4], pool_pcs[_i : _i + 4])
         report = agreement(greedy, judged)
-        clause_table = pl.DataFrame(
-            [
-                {
-                    "clause": c.clause,
-                    "cells": c.n,
-                    "accuracy": c.accuracy,
-                    "accuracy (pass/violate)": c.decided_accuracy,
-                    "kappa": c.kappa,
-                }
-                for c in report.clauses
-            ]
+        _view = mo.md(
+            f"**{report.reviews} reviews, {report.cells} cells** — agreement "
+            f"{report.accuracy:.1%} over all cells, **{report.decided_accuracy:.1%}** on decided "
+            f"cells; reviews parsed completely {1 - report.parse_failure_rate:.1%}"
         )
-        _view = mo.md(f"```text\n{report.table()}\n```")
     else:
-        pool_trajs = pool_pcs = judged = greedy = report = clause_table = None
-        _view = mo.callout(mo.md("Click **Review the pool**."))
+        pool_trajs = pool_pcs = judged = greedy = report = None
+        _view = mo.callout(mo.md("Click **Review the pool** (about a minute)."))
     _view
-    return clause_table, greedy, judged, pool_pcs, pool_trajs, report
+    return greedy, judged, pool_pcs, pool_trajs, report
 
 
 @app.cell
-def _(charts, clause_table, pl):
+def _(notebook, pl, report):
+    clause_table = (
+        notebook.rounded(
+            pl.DataFrame(
+                [
+                    {
+                        "clause": c.clause,
+                        "cells": c.n,
+                        "agreement": c.accuracy,
+                        "agreement (decided)": c.decided_accuracy,
+                        "recall of violations": c.recall.get("violate"),
+                        "recall of passes": c.recall.get("pass"),
+                    }
+                    for c in report.clauses
+                ]
+            )
+        )
+        if report is not None
+        else None
+    )
+    clause_table
+    return (clause_table,)
+
+
+@app.cell
+def _(charts, clause_table, mo):
     (
         charts.clause_bars(
             clause_table.unpivot(
                 index="clause",
-                on=["accuracy", "accuracy (pass/violate)"],
+                on=["agreement (decided)", "recall of violations"],
                 variable_name="series",
-            )
+            ).drop_nulls(),
+            y_title="share of cells (GRM vs the rule judge)",
         )
         if clause_table is not None
-        else None
+        else mo.md("")
     )
     return
 
@@ -208,14 +259,71 @@ def _(charts, clause_table, pl):
 @app.cell(hide_code=True)
 def _(mo):
     mo.md(r"""
-    ## 3 · Your labels
+    ## 3 · Can it be talked into a pass?
 
-    The judge is exact for these rules, but the point of calibration (seed 001, §4 module 2) is
-    the day the rules are not enough: people review a sample of the GRM's verdicts, and where they
-    disagree, either the clause is ambiguous or the GRM is wrong. Mark the GRM's verdicts on the
-    dialogue above — **agree**, **disagree** (the opposite verdict is recorded), or leave them
-    skipped — then save. Labels go to `data/labels/` (`labels.jsonl` + the labelled
-    trajectories) and feed both the calibration below and the next `kitchen grm train`.
+    The policy's text reaches the GRM's prompt, so a policy under RL pressure can learn to write
+    for its reviewer instead of the diner ([docs/method.md](../docs/method.md#reward-hacking)).
+    Below, each dialogue gets one agent message extended with a **harmless rewording** (the
+    held-out half of `data/attacks/rewordings.yaml`) or an **attack** (the held-out half of
+    `data/attacks/attacks.yaml`: fake verdicts in plain, structured and fenced syntaxes,
+    review-shaped text, chat-template control tokens, instructions to the reviewer, fake
+    delimiters — none of them in the GRM's training data). For each: how many of the *other*
+    turns' verdicts moved, whether the detector flagged the attempt, and the largest rise of the
+    trajectory's reward. The flag rule (`reward.flagged: trajectory`) gives a flagged dialogue the
+    lowest reward there is, so an attempt never pays, whatever the GRM made of it.
+    """)
+    return
+
+
+@app.cell
+def _(mo):
+    attack_button = mo.ui.run_button(label="Try the attacks")
+    attack_button
+    return (attack_button,)
+
+
+@app.cell
+def _(attack_button, grm, mo, notebook, perturbation_report, pl, pool):
+    if notebook.gate(attack_button):
+        _pairs = [(t, c) for t, c, _ in pool[: 4 if notebook.small() else 8]]
+        with notebook.spinner("Reviewing rewordings and attacks", f"{len(_pairs)} dialogues"):
+            moves = perturbation_report(grm.review, _pairs, attacks_per_dialogue=3)
+        attack_table = notebook.rounded(
+            pl.DataFrame(
+                [
+                    {
+                        "added text": p.kind,
+                        "cases": p.cases,
+                        "other verdicts changed": p.changed,
+                        "violations turned to passes": p.violate_to_pass,
+                        "flagged": p.flagged,
+                        "max reward gain": p.reward_gain_max,
+                        "max gain without the flag rule": p.reward_gain_max_unflagged,
+                    }
+                    for p in [moves["rewording"], *moves["attack_kinds"].values()]
+                ]
+            )
+        )
+        _view = attack_table
+    else:
+        moves = attack_table = None
+        _view = mo.callout(mo.md("Click **Try the attacks** (about a minute)."))
+    _view
+    return attack_table, moves
+
+
+@app.cell(hide_code=True)
+def _(mo):
+    mo.md(r"""
+    ## 4 · Your labels
+
+    The judge is exact for these rules, but the point of calibration
+    ([docs/method.md](../docs/method.md#grm-calibration)) is the day the rules are not enough:
+    people review a sample of the GRM's verdicts, and where they disagree, either the clause is
+    ambiguous or the GRM is wrong. Mark the GRM's verdicts on the dialogue above — **agree**,
+    **disagree** (the opposite verdict is recorded), or leave them skipped — then save. Labels go
+    to `data/labels/` (`labels.jsonl` + the labelled trajectories) and feed both the calibration
+    below and the next `kitchen grm train`.
     """)
     return
 
@@ -328,13 +436,13 @@ def _(agreement, grm, judge, labels_dir, load_labels, mo, saved):
 @app.cell(hide_code=True)
 def _(mo):
     mo.md(r"""
-    ## 4 · Voting on and off
+    ## 5 · Voting on and off
 
-    A single review is one sample of a noisy reviewer. Seed 000 (FAQ 2) tames process-reward
-    noise by sampling several reviews and taking the majority verdict per (turn, clause). Below:
-    greedy decoding against a vote of K samples at temperature T, clause by clause, on the same
-    pool. Voting costs K generations; the cascade (rule judge first) and greedy decoding are the
-    cheap alternatives.
+    A single review is one sample of a noisy reviewer. A standard answer to noisy process rewards
+    ([docs/method.md](../docs/method.md#faq)) is to sample several reviews and take the majority
+    verdict per (turn, clause). Below: greedy decoding against a vote of K samples at
+    temperature T on the same pool, on decided cells. Voting costs K reviews; `kitchen grm
+    calibrate` tries a few temperatures and says which (if any) beats greedy reviews.
     """)
     return
 
@@ -345,12 +453,15 @@ def _(mo, notebook):
         3,
         9,
         step=2,
-        value=notebook.arg("votes", 3 if not notebook.interactive() else 5),
+        value=notebook.arg("votes", 3 if notebook.small() else 5),
         label="K samples",
+        show_value=True,
     )
-    vote_temperature = mo.ui.slider(0.3, 1.2, step=0.1, value=0.7, label="temperature T")
+    vote_temperature = mo.ui.slider(
+        0.3, 1.2, step=0.1, value=0.7, label="temperature T", show_value=True
+    )
     vote_button = mo.ui.run_button(label="Compare")
-    mo.hstack([votes, vote_temperature, vote_button], justify="start")
+    mo.hstack([votes, vote_temperature, vote_button], justify="start", wrap=True)
     return vote_button, vote_temperature, votes
 
 
@@ -378,7 +489,10 @@ def _(
                 update={"samples": votes.value, "temperature": vote_temperature.value}
             ),
         )
-        _voted, _samples = _voter.review_with_samples(pool_trajs, pool_pcs)
+        with notebook.spinner(
+            f"{votes.value} sampled reviews per dialogue", f"temperature {vote_temperature.value}"
+        ):
+            _voted, _samples = _voter.review_with_samples(pool_trajs, pool_pcs)
         voted_report = agreement(_voted, judged)
         single_report = agreement([s[0] for s in _samples], judged)
         _rows = []
@@ -394,9 +508,8 @@ def _(
             _rows.append({"clause": "all", "series": _name, "value": _rep.decided_accuracy})
         voting = pl.DataFrame(_rows)
         _view = mo.md(
-            f"accuracy on pass/violate cells — greedy {report.decided_accuracy:.1%}, one sample "
-            f"{single_report.decided_accuracy:.1%}, vote {voted_report.decided_accuracy:.1%}; "
-            f"all cells — greedy {report.accuracy:.1%}, vote {voted_report.accuracy:.1%}"
+            f"agreement on decided cells — greedy {report.decided_accuracy:.1%}, one sample "
+            f"{single_report.decided_accuracy:.1%}, vote {voted_report.decided_accuracy:.1%}"
         )
     else:
         voting = voted_report = single_report = None
@@ -406,8 +519,15 @@ def _(
 
 
 @app.cell
-def _(charts, voting):
-    charts.clause_bars(voting) if voting is not None else None
+def _(charts, mo, voting):
+    (
+        charts.clause_bars(
+            voting.drop_nulls(),
+            y_title="agreement with the judge (decided cells)",
+        )
+        if voting is not None
+        else mo.md("")
+    )
     return
 
 
@@ -416,14 +536,18 @@ def _(mo):
     mo.md(r"""
     ## Key points
 
-    - A review is structured: one verdict per agent turn and clause, with reasons — the process
-      reward is read off it, and every reward traces back to a clause.
+    - A review is structured: one line per agent turn — the facts every clause turns on, then a
+      verdict per clause — so the process reward is read off it and every reward traces back to
+      a clause and a fact.
     - The constitution is input: one GRM judges every diner's personal rules.
-    - Only the GRM's own output is parsed; agent text is escaped and attempts to steer the
-      reviewer (fake verdicts, "ignore the rules", forged delimiters) are flagged in the review.
-    - A parse failure masks verdicts (no reward), never turns them into passes.
+    - A small GRM learns what its data shows it: balanced violations, near misses and attacks in
+      the training data are what make it catch the red lines and ignore harmless rewordings.
+    - Only the GRM's own output is parsed; agent text is escaped, attempts to steer the reviewer
+      are flagged by rule, and a flagged dialogue earns the lowest reward.
+    - A parse failure or a line cut by its budget masks verdicts (no reward) and is flagged —
+      never turned into passes.
     - Calibrate against an independent reference: the rule judge here, people in general.
-      `kitchen grm calibrate` prints per-clause accuracy, kappa, confusion and the voting gain.
+      `kitchen grm calibrate` prints per-clause recall, agreement, stability, attacks, voting.
     - Next: `04_credit_assignment.py` — how MAPO turns these verdicts into advantages.
     """)
     return
