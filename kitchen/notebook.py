@@ -14,14 +14,27 @@ So a notebook calls the helpers here instead, and each degrades gracefully:
 - `mode()` — "edit" / "run" (a person is looking), "script" / "test", or None (Jupyter, plain
   Python).
 - `interactive()` — True only where a person can click (marimo edit or run).
-- `arg(name, default)` — a `--name value` flag in script mode, `KITCHEN_NB_NAME` from the
-  environment anywhere, else the default.
+- `arg(name, default)` — a `--name value` flag when the notebook runs as a script
+  (`python notebooks/NN.py --name value`), `KITCHEN_NB_NAME` from the environment anywhere, else
+  the default. The flags of another program that runs the notebook (pytest calling `app.run()`)
+  are not the notebook's.
+- `small()` — whether to use the small defaults: nobody can click (script, test, Jupyter), or
+  `KITCHEN_NB_SMALL=1` (the browser test serves the real page with the script's sizes).
 - `gate(button)` — True when the expensive cell below should run: the button was clicked, or
   nobody can click it (script, test, Jupyter). So script and Jupyter runs exercise every gated
   cell. Use it instead of `mo.stop`.
-- `show(obj)` — replace the running cell's output (a live chart during training): marimo's
-  `mo.output.replace` in the editor, a replaced display in Jupyter, nothing in a script.
+- `show(obj)` — replace the running cell's output (a live chart during training) below its
+  progress bars: marimo's `mo.output.replace_at_index` in the editor, a replaced display in
+  Jupyter, nothing in a script.
 - `progress(iterable, title)` — marimo's progress bar in marimo, tqdm elsewhere.
+- `trainer_progress(title)` — while open, a transformers `Trainer` (TRL's too) built inside shows
+  marimo's progress bar (steps done, the last loss) instead of transformers' own notebook table,
+  which would replace the cell's live chart at every step. Elsewhere transformers' own bar.
+- `spinner(title)` — marimo's spinner with a title (work whose length is not known up front).
+- `log_callback(fn)` — a transformers `TrainerCallback` that hands every logged row to `fn` (a
+  live chart of a TRL run).
+- `rounded(rows, digits)` — a polars frame with its floats rounded for people (0.15, not
+  0.15000000000000002; float32 values such as 0.699999988 read 0.7).
 - `cache(fn)` — `@mo.cache` inside marimo, `functools.cache` elsewhere (arguments must be
   hashable either way).
 - `persistent_cache(name)` — `mo.persistent_cache` in the marimo editor, a no-op elsewhere.
@@ -41,6 +54,17 @@ expensive cells behind a button) for three runtimes. Departures from marimo's ow
 3. The export keeps the file's order (`--sort top-down`) rather than marimo's default topological
    order, which would put the imports above the title; the kit's notebooks define names before
    use, and the nbval run checks that they still do.
+4. `trainer_progress` swaps transformers' `trainer.DEFAULT_PROGRESS_CALLBACK` (a module global
+   that `Trainer.__init__` reads) while its block is open, because the kit's trainers are built
+   inside kit functions (`kitchen.sft.run_sft`) that a notebook cannot hand a callback list to.
+   transformers picks its notebook table whenever marimo is imported, and that table redraws the
+   cell's whole output at every step, so a live chart flickered away between logged steps
+   (notebook 02, 80 SFT steps in headless Chromium: the chart was on screen in 29 of 125 polls
+   while training; with `trainer_progress`, 110 of 117 — all but those before the first log).
+
+Where the kit's notebooks share layout rules (columns that shrink, long lines that wrap), they
+live in `notebooks/kitchen.css`, which `pyproject.toml` hands to marimo (`[tool.marimo.display]
+custom_css`) with `auto_instantiate = true`, so `marimo edit` runs a notebook when it opens.
 """
 
 from __future__ import annotations
@@ -73,13 +97,30 @@ def interactive() -> bool:
     return mode() in ("edit", "run")
 
 
+def _run_as_script() -> bool:
+    """The notebook file itself is the program (`python notebooks/NN.py --flag v`): then the
+    command line's flags are the notebook's. Under pytest or any other program that calls
+    `app.run()`, marimo also reports mode "script" and `mo.cli_args()` would hand the notebook
+    that program's own flags (`-k test_05` as the parameter `k`)."""
+    if mode() != "script" or not sys.argv or not sys.argv[0].endswith(".py"):
+        return False
+    try:
+        import marimo as mo
+
+        here = mo.notebook_dir()
+    except Exception:
+        return False
+    return here is not None and Path(sys.argv[0]).resolve().parent == Path(here).resolve()
+
+
 def arg(name: str, default: Any) -> Any:
-    """A notebook parameter: `--name value` (script mode), env `KITCHEN_NB_<NAME>`, or default.
+    """A notebook parameter: `--name value` (the notebook run as a script), env
+    `KITCHEN_NB_<NAME>`, or default.
 
     The value is converted to the default's type (int, float, bool, str).
     """
     raw = os.environ.get(f"KITCHEN_NB_{name.upper()}")
-    if raw is None and mode() == "script":
+    if raw is None and _run_as_script():
         try:
             import marimo as mo
 
@@ -97,6 +138,14 @@ def arg(name: str, default: Any) -> Any:
     return type(default)(raw) if default is not None else raw
 
 
+def small() -> bool:
+    """Whether the notebook should use its small defaults (the script's sizes): nobody can click
+    (script, test, Jupyter), or `KITCHEN_NB_SMALL=1` is set (the browser test and CI serve the
+    real page with small work behind its buttons)."""
+    flag = os.environ.get("KITCHEN_NB_SMALL", "").lower() in ("1", "true", "yes", "on")
+    return flag or not interactive()
+
+
 def gate(button: Any) -> bool:
     """Whether a gated (expensive) cell should run: clicked, or nobody can click."""
     if not interactive():
@@ -112,16 +161,26 @@ def _in_ipython() -> bool:
     return get_ipython() is not None
 
 
-def show(obj: Any) -> None:
-    """Replace the running cell's output with `obj` (e.g. a chart redrawn every iteration).
+# Progress bars of `progress` and `trainer_progress` open in the running cell: `show` puts its
+# object below them (marimo stacks a cell's outputs; a bar is appended first).
+_open_bars = 0
 
-    marimo editor: `mo.output.replace`. Jupyter: the cell's output is cleared and `obj`
-    displayed. A script: nothing (nobody is watching; the cell's last expression is its output).
+
+def show(obj: Any) -> None:
+    """Show `obj` as the running cell's output (e.g. a chart redrawn every iteration), below the
+    cell's open progress bars.
+
+    marimo editor: `mo.output.replace_at_index` (`mo.output.replace` when no bar is open).
+    Jupyter: the cell's output is cleared and `obj` displayed. A script: nothing (nobody is
+    watching; the cell's last expression is its output).
     """
     if interactive():
         import marimo as mo
 
-        mo.output.replace(obj)
+        if _open_bars:
+            mo.output.replace_at_index(obj, _open_bars)
+        else:
+            mo.output.replace(obj)
     elif mode() is None and _in_ipython():
         from IPython.display import clear_output, display
 
@@ -129,16 +188,111 @@ def show(obj: Any) -> None:
         display(obj)
 
 
-def progress(iterable: Iterable[T], title: str = "", total: int | None = None) -> Iterator[T]:
-    """A progress bar over `iterable`: marimo's inside marimo, tqdm's elsewhere."""
+@contextlib.contextmanager
+def _bar_open() -> Iterator[None]:
+    global _open_bars
+    _open_bars += 1
+    try:
+        yield
+    finally:
+        _open_bars -= 1
+
+
+def progress(
+    iterable: Iterable[T], title: str = "", total: int | None = None, subtitle: str = ""
+) -> Iterator[T]:
+    """A progress bar over `iterable` that says what is being done (`title`, `subtitle`) and
+    how far it is: marimo's inside marimo, tqdm's elsewhere."""
     if mode() is not None:
         import marimo as mo
 
-        yield from mo.status.progress_bar(iterable, title=title or None, total=total)
+        with _bar_open():
+            yield from mo.status.progress_bar(
+                iterable, title=title or None, subtitle=subtitle or None, total=total
+            )
         return
     from tqdm.auto import tqdm
 
     yield from tqdm(iterable, desc=title or None, total=total)
+
+
+@contextlib.contextmanager
+def trainer_progress(title: str) -> Iterator[None]:
+    """`with notebook.trainer_progress("SFT steps"):` around building and training a
+    transformers `Trainer` (TRL's trainers too): in the marimo editor the trainer's progress is
+    marimo's bar — `title`, steps done out of `max_steps`, the last logged loss — instead of
+    transformers' notebook table, which redraws the whole cell output at every step and so
+    hides a live chart drawn by `show`. Elsewhere transformers' own progress bar is kept."""
+    if not interactive():
+        yield
+        return
+    import marimo as mo
+    import transformers.trainer as hf_trainer
+    from transformers import TrainerCallback
+
+    bars = contextlib.ExitStack()  # closed when the block ends, even if training raised
+
+    class MarimoProgress(TrainerCallback):
+        bar: Any = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            total = max(int(state.max_steps), 1)
+            self.bar = bars.enter_context(
+                mo.status.progress_bar(total=total, title=title, subtitle="starting")
+            )
+            bars.enter_context(_bar_open())
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.bar is not None:
+                self.bar.update(increment=1, subtitle=f"step {state.global_step}")
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if self.bar is not None and logs and "loss" in logs:
+                self.bar.update(
+                    increment=0, subtitle=f"step {state.global_step} · loss {logs['loss']:.3f}"
+                )
+
+    before = hf_trainer.DEFAULT_PROGRESS_CALLBACK
+    hf_trainer.DEFAULT_PROGRESS_CALLBACK = MarimoProgress
+    try:
+        with bars:
+            yield
+    finally:
+        hf_trainer.DEFAULT_PROGRESS_CALLBACK = before
+
+
+def spinner(title: str, subtitle: str = "") -> contextlib.AbstractContextManager:
+    """`with notebook.spinner("Playing 40 dialogues"):` — marimo's spinner saying what runs, for
+    work whose progress cannot be counted from outside; a no-op outside marimo."""
+    if interactive():
+        import marimo as mo
+
+        return mo.status.spinner(title=title, subtitle=subtitle or None)
+    return contextlib.nullcontext()
+
+
+def log_callback(fn: Callable[[dict[str, Any]], None]) -> Any:
+    """A transformers `TrainerCallback` that calls `fn(row)` with every row the trainer logs,
+    its `step` included: `trainer.add_callback(notebook.log_callback(draw))` draws a live chart
+    of a Trainer the notebook did not build itself (TRL's `GRPOTrainer`)."""
+    from transformers import TrainerCallback
+
+    class LogRows(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs:
+                fn(dict(logs) | {"step": state.global_step})
+
+    return LogRows()
+
+
+def rounded(rows: Any, digits: int = 3) -> Any:
+    """`rows` (a polars frame, or rows as dicts) as a polars frame whose float columns are
+    rounded to `digits` decimals: tables are for people (0.15, not 0.15000000000000002)."""
+    import polars as pl
+    import polars.selectors as cs
+
+    frame = rows if isinstance(rows, pl.DataFrame) else pl.DataFrame(rows, infer_schema_length=None)
+    return frame.with_columns(cs.float().round(digits))
 
 
 def cache(fn: Callable[..., T]) -> Callable[..., T]:

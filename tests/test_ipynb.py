@@ -38,14 +38,29 @@ with notebook.persistent_cache("x"):
     pass
 notebook.show("nothing to replace")
 assert list(notebook.progress(range(3), "t")) == [0, 1, 2]
+assert notebook.small()  # nobody can click: the script's small defaults
+with notebook.spinner("nothing to spin"):
+    pass
+import transformers.trainer as hf_trainer
+before = hf_trainer.DEFAULT_PROGRESS_CALLBACK
+with notebook.trainer_progress("steps"):
+    assert hf_trainer.DEFAULT_PROGRESS_CALLBACK is before  # transformers' own bar outside marimo
+frame = notebook.rounded([{"x": 0.1 + 0.05, "n": 3, "s": "a"}, {"x": None, "n": 4, "s": "b"}])
+assert frame["x"].to_list() == [0.15, None] and frame["n"].to_list() == [3, 4]
+rows = []
+cb = notebook.log_callback(rows.append)
+cb.on_log(None, type("S", (), {"global_step": 7})(), None, logs={"loss": 1.5})
+assert rows == [{"loss": 1.5, "step": 7}]
 print("ok")
 """
 
 
 def test_helpers_outside_marimo():
     """In plain Python (as in Jupyter) there is no marimo mode: gates open, `arg` reads only the
-    environment, `cache` memoises, `persistent_cache` is a no-op, `show` does nothing, and
-    `progress` passes every item through. (A subprocess without pytest's environment: marimo reports mode 'test' under pytest.)"""
+    environment, `cache` memoises, `persistent_cache` and `spinner` are no-ops, `show` does
+    nothing, `progress` passes every item through, `small` is on, `trainer_progress` leaves
+    transformers' own progress bar in place, `rounded` rounds float columns only, and
+    `log_callback` hands the trainer's rows on with their step. (A subprocess without pytest's environment: marimo reports mode 'test' under pytest.)"""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     res = subprocess.run(
         [sys.executable, "-c", HELPERS_OUTSIDE_MARIMO],
@@ -57,11 +72,18 @@ def test_helpers_outside_marimo():
     assert res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
-def test_helpers_under_marimo_test_mode():
-    """Under pytest marimo reports mode 'test': not interactive, so gates open and `show` is
-    silent; `cache` is marimo's."""
+def test_helpers_under_marimo_test_mode(monkeypatch):
+    """Under pytest marimo reports mode 'test': not interactive, so gates open, the small
+    defaults apply and `show` is silent; `cache` is marimo's. `KITCHEN_NB_SMALL` asks for the
+    small defaults where a person could click (the browser test)."""
     assert notebook.mode() == "test" and not notebook.interactive()
-    assert notebook.gate(object()) is True
+    assert notebook.gate(object()) is True and notebook.small()
+    monkeypatch.setattr(notebook, "interactive", lambda: True)
+    monkeypatch.delenv("KITCHEN_NB_SMALL", raising=False)
+    assert not notebook.small()
+    monkeypatch.setenv("KITCHEN_NB_SMALL", "1")
+    assert notebook.small()
+    monkeypatch.undo()
     notebook.show("nothing to replace")
     assert list(notebook.progress(range(2))) == [0, 1]
 
