@@ -66,8 +66,15 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict], *, append: bool =
     return atomic_write_bytes(path, old + new)
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
-    """Yield one dict per non-empty line; a bad line raises `KitchenError` naming file and line."""
+def jsonl_rows(
+    path: str | os.PathLike, problems: list[Problem] | None = None
+) -> Iterator[tuple[int, dict]]:
+    """`(line number, object)` for every non-empty line of a JSONL file.
+
+    A line that is not a JSON object is a `Problem` naming the file and the line: raised at once
+    (`problems` None), or appended to `problems` and skipped — so a reader can report every bad
+    line of a file at once.
+    """
     path = Path(path)
     with path.open("rb") as f:
         for n, raw in enumerate(f, start=1):
@@ -75,23 +82,23 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
                 continue
             try:
                 row = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise KitchenError(
-                    [
-                        Problem(
-                            str(path), n, "line", f"not valid JSON ({e}); one JSON object per line"
-                        )
-                    ]
-                ) from None
-            if not isinstance(row, dict):
-                raise KitchenError(
-                    [
-                        Problem(
-                            str(path),
-                            n,
-                            "line",
-                            f"expected a JSON object per line, got a {type(row).__name__}",
-                        )
-                    ]
+                why = (
+                    None
+                    if isinstance(row, dict)
+                    else f"expected a JSON object, got a {type(row).__name__}"
                 )
-            yield row
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                why = f"not valid JSON ({e})"
+            if why is not None:
+                problem = Problem(str(path), n, "line", f"{why}; one JSON object per line")
+                if problems is None:
+                    raise KitchenError([problem]) from None
+                problems.append(problem)
+                continue
+            yield n, row
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
+    """Yield one dict per non-empty line; a bad line raises `KitchenError` naming file and line."""
+    for _, row in jsonl_rows(path):
+        yield row

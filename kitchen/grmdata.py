@@ -54,7 +54,7 @@ from kitchen.critique import (
     review_turns,
     turn_facts,
 )
-from kitchen.files import atomic_write_json, read_jsonl, write_jsonl
+from kitchen.files import atomic_write_json, jsonl_rows, read_jsonl, write_jsonl
 from kitchen.injection import attacks, message_turns, rewordings, with_text
 from kitchen.judge import judge
 from kitchen.review import ClauseVerdict, Review, overall_from
@@ -306,21 +306,8 @@ def load_labels(folder: str | os.PathLike) -> LabelSet:
     problems: list[Problem] = []
 
     def rows(path: Path) -> Iterable[tuple[Located, dict]]:
-        with path.open("rb") as f:
-            for n, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    row = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    problems.append(Problem(str(path), n, "line", f"not valid JSON ({e})"))
-                    continue
-                if not isinstance(row, dict):
-                    problems.append(
-                        Problem(str(path), n, "line", f"expected a JSON object, got {row!r:.40}")
-                    )
-                    continue
-                yield Located(row, str(path), {(): n}), row
+        for n, row in jsonl_rows(path, problems):
+            yield Located(row, str(path), {(): n}), row
 
     tp = folder / "trajectories.jsonl"
     if tp.exists():

@@ -54,7 +54,6 @@ Departures and choices:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -70,7 +69,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 
 from kitchen import paths
 from kitchen.config import KitchenError, Located, Problem, StrictModel, read_yaml, validate_doc
-from kitchen.files import atomic_write_text, write_jsonl
+from kitchen.files import atomic_write_text, jsonl_rows, write_jsonl
 from kitchen.models import (
     ROLES,
     ModelSpec,
@@ -382,54 +381,46 @@ def read_dialogues(path: str | os.PathLike, limit: int | None = None) -> list[li
     path = Path(path)
     out: list[list[dict]] = []
     problems: list[Problem] = []
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, start=1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                problems.append(Problem(str(path), n, "line", f"not valid JSON ({e})"))
-                continue
-            msgs = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(msgs, list) or not msgs:
-                problems.append(
-                    Problem(
-                        str(path),
-                        n,
-                        "messages",
-                        'expected {"messages": [{"role": ..., "content": ...}]}',
-                    )
+    for n, row in jsonl_rows(path, problems):
+        if limit is not None and len(out) >= limit:
+            break
+        msgs = row.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            problems.append(
+                Problem(
+                    str(path),
+                    n,
+                    "messages",
+                    'expected {"messages": [{"role": ..., "content": ...}]}',
                 )
-                continue
-            bad = next(
-                (
-                    i
-                    for i, m in enumerate(msgs)
-                    if not isinstance(m, dict)
-                    or m.get("role") not in ROLES
-                    or not isinstance(m.get("content"), str)
-                ),
-                None,
             )
-            if bad is not None:
-                problems.append(
-                    Problem(
-                        str(path),
-                        n,
-                        f"messages[{bad}]",
-                        f"needs a role in {', '.join(ROLES)} and string content",
-                    )
+            continue
+        bad = next(
+            (
+                i
+                for i, m in enumerate(msgs)
+                if not isinstance(m, dict)
+                or m.get("role") not in ROLES
+                or not isinstance(m.get("content"), str)
+            ),
+            None,
+        )
+        if bad is not None:
+            problems.append(
+                Problem(
+                    str(path),
+                    n,
+                    f"messages[{bad}]",
+                    f"needs a role in {', '.join(ROLES)} and string content",
                 )
-                continue
-            if not any(m["role"] == "assistant" for m in msgs):
-                problems.append(Problem(str(path), n, "messages", "no assistant message to learn"))
-                continue
-            out.append([{"role": m["role"], "content": m["content"]} for m in msgs])
-            if len(problems) >= 20:
-                break
+            )
+            continue
+        if not any(m["role"] == "assistant" for m in msgs):
+            problems.append(Problem(str(path), n, "messages", "no assistant message to learn"))
+            continue
+        out.append([{"role": m["role"], "content": m["content"]} for m in msgs])
+        if len(problems) >= 20:
+            break
     if problems:
         raise KitchenError(problems)
     if not out:
