@@ -395,16 +395,19 @@ def review_heatmap(review, reference=None, title: str = "") -> alt.Chart:
     )
 
 
-def clause_bars(df: pl.DataFrame, value: str = "value", series: str = "series") -> alt.Chart:
-    """Grouped bars per clause (e.g. accuracy of greedy vs voted reviews, or accuracy vs
-    accuracy on pass/violate cells). `df` has clause, `series` and `value` in [0, 1]."""
+def clause_bars(
+    df: pl.DataFrame, value: str = "value", series: str = "series", y_title: str = "agreement"
+) -> alt.Chart:
+    """Grouped bars per clause (e.g. accuracy of greedy vs voted reviews, accuracy vs accuracy
+    on pass/violate cells, or pass rates per policy). `df` has clause, `series` and `value` in
+    [0, 1]; `y_title` says what the value is."""
     return (
         alt.Chart(df)
         .mark_bar()
         .encode(
             x=alt.X("clause:N", title="clause"),
             xOffset=alt.XOffset(f"{series}:N"),
-            y=alt.Y(f"{value}:Q", title="agreement", scale=alt.Scale(domain=[0, 1])),
+            y=alt.Y(f"{value}:Q", title=y_title, scale=alt.Scale(domain=[0, 1])),
             color=alt.Color(f"{series}:N", title=None),
             tooltip=["clause", series, alt.Tooltip(f"{value}:Q", format=".1%")],
         )
@@ -413,6 +416,11 @@ def clause_bars(df: pl.DataFrame, value: str = "value", series: str = "series") 
 
 
 # ------------------------------------------------------------ training runs (notebook 05, report)
+
+
+def _count_axis(x: str) -> alt.X:
+    """An x axis of whole numbers (iterations, steps): ticks 1, 2, … — never 0.5."""
+    return alt.X(f"{x}:Q", title=x, axis=alt.Axis(format="d", tickMinStep=1))
 
 
 def long_metrics(metrics: pl.DataFrame, names: list[str], x: str = "iteration") -> pl.DataFrame:
@@ -444,7 +452,7 @@ def run_curves(
         alt.Chart(df, title=title)
         .mark_line(point=df.height < 200)
         .encode(
-            x=alt.X(f"{x}:Q", title=x),
+            x=_count_axis(x),
             y=alt.Y("value:Q", title=None),
             color=alt.Color("metric:N", sort=names),
             tooltip=["metric", x, alt.Tooltip("value:Q", format=".3f")],
@@ -464,9 +472,9 @@ def clause_curves(metrics: pl.DataFrame, prefix: str = "judge/", title: str = ""
         return no_data(title, 420, 220)
     return (
         alt.Chart(downsample(df), title=title)
-        .mark_line()
+        .mark_line(point=df["iteration"].n_unique() < 50)
         .encode(
-            x="iteration:Q",
+            x=_count_axis("iteration"),
             y=alt.Y("value:Q", title="pass rate", scale=alt.Scale(domain=[0, 1])),
             color="clause:N",
             tooltip=["clause", "iteration", alt.Tooltip("value:Q", format=".2f")],

@@ -1,3 +1,14 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "kitchen",
+#     "marimo>=0.25",
+# ]
+#
+# [tool.uv.sources]
+# kitchen = { path = "..", editable = true }
+# ///
+
 import marimo
 
 __generated_with = "0.25.2"
@@ -78,11 +89,18 @@ def _(mo, notebook, paths):
         label="SFT log (JSONL)",
         full_width=True,
     )
-    tail = mo.ui.slider(0.1, 0.8, step=0.05, value=0.3, label="tail (fraction of the steps)")
-    min_gain = mo.ui.slider(
-        0.01, 0.2, step=0.01, value=0.05, label="plateau threshold (gain from doubling)"
+    tail = mo.ui.slider(
+        0.1, 0.8, step=0.05, value=0.3, label="tail (fraction of the steps)", show_value=True
     )
-    mo.vstack([log_path, mo.hstack([tail, min_gain], justify="start")])
+    min_gain = mo.ui.slider(
+        0.01,
+        0.2,
+        step=0.01,
+        value=0.05,
+        label="plateau threshold (gain from doubling)",
+        show_value=True,
+    )
+    mo.vstack([log_path, mo.hstack([tail, min_gain], justify="start", gap=2, wrap=True)])
     return log_path, min_gain, tail
 
 
@@ -144,18 +162,23 @@ def _(mo, notebook):
         4,
         100,
         step=2,
-        value=notebook.arg("tasks", 40 if notebook.interactive() else 8),
+        value=notebook.arg("tasks", 8 if notebook.small() else 40),
         label="held-out tasks",
+        show_value=True,
     )
     eval_button = mo.ui.run_button(label="Play the SFT policy and its teacher")
-    mo.hstack([eval_tasks, eval_button], justify="start")
+    mo.hstack([eval_tasks, eval_button], justify="start", gap=2, wrap=True)
     return eval_button, eval_tasks
 
 
 @app.cell
 def _(decide, eval_button, eval_tasks, notebook):
     if notebook.gate(eval_button):
-        policy_report, teacher_report = decide.sft_ceiling(tasks=eval_tasks.value)
+        with notebook.spinner(
+            f"Playing {eval_tasks.value} held-out dialogues with the SFT policy",
+            "then replaying its teacher's on the same split; the rule judge scores both",
+        ):
+            policy_report, teacher_report = decide.sft_ceiling(tasks=eval_tasks.value)
         gap = decide.imitation_gap(decide.rates(policy_report), decide.rates(teacher_report))
         share = decide.beyond_share(gap)
     else:
@@ -164,11 +187,11 @@ def _(decide, eval_button, eval_tasks, notebook):
 
 
 @app.cell
-def _(charts, gap, mo, pl, policy_report, share, teacher_report):
+def _(charts, gap, mo, notebook, policy_report, share, teacher_report):
     if gap is None:
         _view = mo.callout(mo.md("Click the button above to play the held-out dialogues."))
     else:
-        _personal = pl.DataFrame(
+        _personal = notebook.rounded(
             [
                 {
                     "behaviour": k,
@@ -186,7 +209,7 @@ def _(charts, gap, mo, pl, policy_report, share, teacher_report):
                     f"dialogues. **{share:.0%}** of the policy's remaining failures are failures "
                     "of its SFT data too."
                 ),
-                pl.DataFrame(gap),
+                notebook.rounded(gap),
                 mo.md(
                     "Personalisation (words per message by the diner's verbosity, small talk "
                     "first by pace, asking for the cuisine when the request names none): a "
@@ -290,7 +313,7 @@ def _(mo):
 
 
 @app.cell
-def _(decide, pl):
+def _(decide, notebook, pl):
     throughput = decide.load_throughput()
     pl.DataFrame(
         [
@@ -310,7 +333,7 @@ def _(decide, pl):
             for r in throughput
         ],
         schema_overrides={"review tok/s": pl.Float64},
-    )
+    ).pipe(notebook.rounded, 1)
     return (throughput,)
 
 
@@ -371,8 +394,10 @@ def _(base_inputs, decide, mo, notebook):
         value="adapter on the policy's base" if _b.grm_shares_base else (_b.grm or _b.policy),
         label="GRM",
     )
-    k_samples = mo.ui.slider(2, 32, value=_b.k, label="K samples per task")
-    tasks_per_it = mo.ui.slider(1, 128, value=_b.tasks_per_iteration, label="tasks per iteration")
+    k_samples = mo.ui.slider(2, 32, value=_b.k, label="K samples per task", show_value=True)
+    tasks_per_it = mo.ui.slider(
+        1, 128, value=_b.tasks_per_iteration, label="tasks per iteration", show_value=True
+    )
     iterations = mo.ui.number(1, 100_000, value=_b.iterations, label="iterations")
     turns = mo.ui.number(1, 100, step=0.1, value=round(_b.turns, 1), label="turns per dialogue")
     tokens_turn = mo.ui.number(
@@ -382,7 +407,9 @@ def _(base_inputs, decide, mo, notebook):
         0, 8192, step=1, value=round(_b.other_tokens_per_turn), label="other tokens per turn"
     )
     review_tokens = mo.ui.number(1, 8192, value=_b.review_tokens, label="tokens per review")
-    votes = mo.ui.slider(0, 9, value=_b.votes, label="GRM reviews per dialogue (0: rule judge)")
+    votes = mo.ui.slider(
+        0, 9, value=_b.votes, label="GRM reviews per dialogue (0: rule judge)", show_value=True
+    )
     device = mo.ui.dropdown(
         ["cpu", *decide.GPUS],
         value=notebook.arg("device", _b.device),
@@ -391,10 +418,10 @@ def _(base_inputs, decide, mo, notebook):
     budget = mo.ui.number(0, 1e7, value=notebook.arg("budget", 24.0), label="budget (device-hours)")
     mo.vstack(
         [
-            mo.hstack([policy_arch, method, grm_arch, device], justify="start"),
-            mo.hstack([k_samples, tasks_per_it, iterations], justify="start"),
-            mo.hstack([turns, tokens_turn, other_turn], justify="start"),
-            mo.hstack([review_tokens, votes, budget], justify="start"),
+            mo.hstack([policy_arch, method, grm_arch, device], justify="start", gap=2, wrap=True),
+            mo.hstack([k_samples, tasks_per_it, iterations], justify="start", gap=2, wrap=True),
+            mo.hstack([turns, tokens_turn, other_turn], justify="start", gap=2, wrap=True),
+            mo.hstack([review_tokens, votes, budget], justify="start", gap=2, wrap=True),
         ]
     )
     return (

@@ -1,3 +1,14 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "kitchen",
+#     "marimo>=0.25",
+# ]
+#
+# [tool.uv.sources]
+# kitchen = { path = "..", editable = true }
+# ///
+
 import marimo
 
 __generated_with = "0.25.2"
@@ -162,21 +173,36 @@ def _(mo, profiles, who):
         ["brief", "normal", "detailed"], value=_dims["verbosity"].value, label="verbosity"
     )
     verbosity_conf = mo.ui.slider(
-        0.0, 1.0, step=0.05, value=_dims["verbosity"].confidence, label="confidence"
+        0.0,
+        1.0,
+        step=0.05,
+        value=round(_dims["verbosity"].confidence, 2),
+        label="confidence",
+        show_value=True,
     )
     pace = mo.ui.dropdown(["hurried", "relaxed"], value=_dims["pace"].value, label="pace")
     pace_conf = mo.ui.slider(
-        0.0, 1.0, step=0.05, value=_dims["pace"].confidence, label="confidence"
+        0.0,
+        1.0,
+        step=0.05,
+        value=round(_dims["pace"].confidence, 2),
+        label="confidence",
+        show_value=True,
     )
     diet = mo.ui.dropdown(["any", "vegetarian"], value=_dims["diet"].value, label="diet")
     diet_conf = mo.ui.slider(
-        0.0, 1.0, step=0.05, value=_dims["diet"].confidence, label="confidence"
+        0.0,
+        1.0,
+        step=0.05,
+        value=round(_dims["diet"].confidence, 2),
+        label="confidence",
+        show_value=True,
     )
     mo.vstack(
         [
-            mo.hstack([verbosity, verbosity_conf], justify="start"),
-            mo.hstack([pace, pace_conf], justify="start"),
-            mo.hstack([diet, diet_conf], justify="start"),
+            mo.hstack([verbosity, verbosity_conf], justify="start", gap=2, wrap=True),
+            mo.hstack([pace, pace_conf], justify="start", gap=2, wrap=True),
+            mo.hstack([diet, diet_conf], justify="start", gap=2, wrap=True),
         ]
     )
     return diet, diet_conf, pace, pace_conf, verbosity, verbosity_conf
@@ -210,7 +236,7 @@ def _(
 
 
 @app.cell
-def _(constitution, edited, mo, personalize, render_text, to_frame):
+def _(constitution, edited, mo, notebook, personalize, render_text, to_frame):
     personal = personalize(constitution, edited)
     _fallbacks = (
         "\n".join(f"- `{f.dimension}` → `{f.used}` ({f.reason})" for f in personal.fallbacks)
@@ -223,7 +249,7 @@ def _(constitution, edited, mo, personalize, render_text, to_frame):
                 f"inactive: {', '.join(personal.inactive) or 'none'}\n\n"
                 f"**Fallbacks**\n{_fallbacks}"
             ),
-            to_frame(personal).select("id", "kind", "weight", "text", "sources"),
+            notebook.rounded(to_frame(personal).select("id", "kind", "weight", "text", "sources")),
             mo.md("The same, as the reward model will read it:"),
             mo.md(f"```text\n{render_text(personal)}\n```"),
         ]

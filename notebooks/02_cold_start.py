@@ -1,3 +1,14 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "kitchen",
+#     "marimo>=0.25",
+# ]
+#
+# [tool.uv.sources]
+# kitchen = { path = "..", editable = true }
+# ///
+
 import marimo
 
 __generated_with = "0.25.2"
@@ -12,7 +23,7 @@ def _(mo):
     RL needs a policy that can already act: use the tools, hold a multi-turn conversation, stop
     when the order is placed. This notebook shows the world the policy acts in, lets you play it,
     and trains a policy by supervised fine-tuning (SFT) on synthetic dialogues — the *cold start*
-    (seed 001, §4 module 1).
+    (`docs/method.md#cold-start`).
 
     The dialogues come from scripted agents that are competent but, on purpose, **not personal**:
     they skip the allergen check now and then, write too much for a brief diner, chat before
@@ -175,7 +186,7 @@ def _(heldout_profiles, mo, notebook, profiles, tasks):
         list(profiles), value=notebook.arg("profile", heldout_profiles[0]), label="diner"
     )
     episode_seed = mo.ui.number(0, 1000, value=0, label="diner's seed")
-    mo.hstack([task_pick, profile_pick, episode_seed], justify="start")
+    mo.hstack([task_pick, profile_pick, episode_seed], justify="start", wrap=True)
     return episode_seed, profile_pick, task_pick
 
 
@@ -245,9 +256,11 @@ def _(mo):
 @app.cell
 def _(mo):
     policy_seed = mo.ui.number(0, 10_000, value=0, label="sampling seed")
-    policy_temperature = mo.ui.slider(0.1, 1.5, step=0.1, value=1.0, label="temperature")
+    policy_temperature = mo.ui.slider(
+        0.1, 1.5, step=0.1, value=1.0, label="temperature", show_value=True
+    )
     play = mo.ui.run_button(label="Play")
-    mo.hstack([policy_seed, policy_temperature, play], justify="start")
+    mo.hstack([policy_seed, policy_temperature, play], justify="start", gap=2, wrap=True)
     return play, policy_seed, policy_temperature
 
 
@@ -333,7 +346,7 @@ def _(parse_action, paths, pl, re, read_dialogues, word_count):
     sft_actions = pl.DataFrame(_rows)
     data_stats = {
         "dialogues": len(sft_dialogues),
-        "assistant turns per dialogue": sft_actions.height / len(sft_dialogues),
+        "assistant turns per dialogue": round(sft_actions.height / len(sft_dialogues), 2),
     }
     data_stats
     return data_stats, sft_actions
@@ -349,7 +362,10 @@ def _(charts, mo, pl, sft_actions):
         .sort("verbosity")
     )
     mo.hstack(
-        [charts.counts_bar(_kinds, "action", "turns", "assistant actions in the SFT data"), _words]
+        [charts.counts_bar(_kinds, "action", "turns", "assistant actions in the SFT data"), _words],
+        justify="start",
+        gap=2,
+        wrap=True,
     )
     return
 
@@ -370,9 +386,14 @@ def _(mo):
 
 @app.cell
 def _(mo, notebook):
-    _small = not notebook.interactive()
+    _small = notebook.small()
     sft_steps = mo.ui.slider(
-        5, 600, step=5, value=notebook.arg("steps", 12 if _small else 150), label="steps"
+        5,
+        600,
+        step=5,
+        value=notebook.arg("steps", 12 if _small else 150),
+        label="steps",
+        show_value=True,
     )
     sft_dialogue_count = mo.ui.slider(
         16,
@@ -380,6 +401,7 @@ def _(mo, notebook):
         step=16,
         value=notebook.arg("dialogues", 48 if _small else 800),
         label="training dialogues",
+        show_value=True,
     )
     sft_width = mo.ui.dropdown(
         {"64 (0.2M parameters)": 64, "128 (0.6M)": 128, "192 (2M, the shipped size)": 192},
@@ -387,7 +409,9 @@ def _(mo, notebook):
         label="hidden size",
     )
     train_button = mo.ui.run_button(label="Train")
-    mo.hstack([sft_steps, sft_dialogue_count, sft_width, train_button], justify="start")
+    mo.hstack(
+        [sft_steps, sft_dialogue_count, sft_width, train_button], justify="start", gap=2, wrap=True
+    )
     return sft_dialogue_count, sft_steps, sft_width, train_button
 
 
@@ -440,13 +464,16 @@ def _(Path, charts, demo_recipe, mo, notebook, pl, run_sft, tempfile, train_butt
         _rows = []
 
         def _on_log(row):
-            _rows.append(row)
-            notebook.show(charts.loss_curve(pl.DataFrame(_rows, infer_schema_length=None)))
+            # the live chart: redrawn below the progress bar at every logged step
+            if "loss" in row or "eval_loss" in row:
+                _rows.append(row)
+                notebook.show(charts.loss_curve(pl.DataFrame(_rows, infer_schema_length=None)))
 
         _out = Path(tempfile.mkdtemp(prefix="kitchen-nb02-"))
-        sft_result = run_sft(
-            demo_recipe.model_copy(update={"output_dir": str(_out)}), on_log=_on_log
-        )
+        with notebook.trainer_progress(f"SFT: {demo_recipe.max_steps} optimiser steps"):
+            sft_result = run_sft(
+                demo_recipe.model_copy(update={"output_dir": str(_out)}), on_log=_on_log
+            )
         sft_log = pl.DataFrame(
             [r for r in sft_result.log if "loss" in r or "eval_loss" in r], infer_schema_length=None
         ).select(pl.col("step"), pl.col("^(loss|eval_loss)$"))
@@ -477,6 +504,7 @@ def _(
     build_tiny_model,
     demo_recipe,
     load_model,
+    mo,
     parse_action,
     paths,
     pl,
@@ -503,7 +531,11 @@ def _(
                 _row[_name] = reply(_m, _t, _prompt, max_new_tokens=32)
             _rows.append(_row)
         samples = pl.DataFrame(_rows)
-    samples
+    (
+        samples
+        if samples is not None
+        else mo.md("*Train the small model above: its samples appear here.*")
+    )
     return (samples,)
 
 

@@ -1,3 +1,14 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "kitchen",
+#     "marimo>=0.25",
+# ]
+#
+# [tool.uv.sources]
+# kitchen = { path = "..", editable = true }
+# ///
+
 import marimo
 
 __generated_with = "0.25.2"
@@ -32,7 +43,6 @@ def _(mo):
 
 @app.cell
 def _():
-    import json
     import math
 
     import marimo as mo
@@ -41,7 +51,7 @@ def _():
 
     from kitchen import charts, lab, mapo, notebook
 
-    return charts, json, lab, mapo, math, mo, notebook, pl, torch
+    return charts, lab, mapo, math, mo, notebook, pl, torch
 
 
 @app.cell(hide_code=True)
@@ -67,8 +77,8 @@ def _(mapo, pl):
                 "local": f"{c.local_signal} in {c.local_groups} groups",
                 "global": f"{c.global_signal} in {c.global_groups} groups",
                 "mix": (
-                    f"{c.mix}, α {c.alpha.kind} {c.alpha.alpha0}"
-                    + (f"→{c.alpha.alpha1}" if c.alpha.kind != "constant" else "")
+                    f"{c.mix}, α {c.alpha.kind} {c.alpha.alpha0:g}"
+                    + (f"→{c.alpha.alpha1:g}" if c.alpha.kind != "constant" else "")
                 ),
                 "γ": c.gamma,
                 "buffer": c.use_buffer,
@@ -147,39 +157,61 @@ def _(mo):
 @app.cell
 def _(mapo, mo, notebook):
     _m = mapo.PRESETS["mapo"]
-    horizon = mo.ui.slider(2, 24, value=notebook.arg("horizon", 8), label="horizon H (turns)")
-    k = mo.ui.slider(2, 32, value=notebook.arg("k", 8), label="K rollouts per task group")
-    noise = mo.ui.slider(
-        0.0, 3.0, step=0.25, value=notebook.arg("noise", 0.5), label="judge noise (std)"
+    horizon = mo.ui.slider(
+        2, 24, value=notebook.arg("horizon", 8), label="horizon H (turns)", show_value=True
     )
-    spread = mo.ui.slider(0.0, 3.0, step=0.25, value=1.0, label="per-situation judge offset (std)")
-    gamma = mo.ui.slider(0.0, 1.0, step=0.05, value=_m.gamma, label="γ of MAPO's local return")
+    k = mo.ui.slider(
+        2, 32, value=notebook.arg("k", 8), label="K rollouts per task group", show_value=True
+    )
+    noise = mo.ui.slider(
+        0.0,
+        3.0,
+        step=0.25,
+        value=notebook.arg("noise", 0.5),
+        label="judge noise (std)",
+        show_value=True,
+    )
+    spread = mo.ui.slider(
+        0.0, 3.0, step=0.25, value=1.0, label="per-situation judge offset (std)", show_value=True
+    )
+    gamma = mo.ui.slider(
+        0.0, 1.0, step=0.05, value=_m.gamma, label="γ of MAPO's local return", show_value=True
+    )
     schedule = mo.ui.dropdown(
         ["constant", "linear", "cosine"], value=_m.alpha.kind, label="α schedule"
     )
-    alpha0 = mo.ui.slider(0.0, 1.0, step=0.05, value=_m.alpha.alpha0, label="α0")
-    alpha1 = mo.ui.slider(0.0, 1.0, step=0.05, value=_m.alpha.alpha1, label="α1")
-    alpha_steps = mo.ui.slider(10, 1000, step=10, value=_m.alpha.steps, label="α steps (updates)")
-    capacity = mo.ui.slider(64, 8192, step=64, value=2048, label="buffer records per seed")
-    max_age = mo.ui.slider(0, 32, value=4, label="buffer max age (updates)")
+    alpha0 = mo.ui.slider(0.0, 1.0, step=0.05, value=_m.alpha.alpha0, label="α0", show_value=True)
+    alpha1 = mo.ui.slider(0.0, 1.0, step=0.05, value=_m.alpha.alpha1, label="α1", show_value=True)
+    alpha_steps = mo.ui.slider(
+        10, 1000, step=10, value=_m.alpha.steps, label="α steps (updates)", show_value=True
+    )
+    capacity = mo.ui.slider(
+        64, 8192, step=64, value=2048, label="buffer records per seed", show_value=True
+    )
+    max_age = mo.ui.slider(0, 32, value=4, label="buffer max age (updates)", show_value=True)
     replay = mo.ui.checkbox(False, label="replay history into the gradient (truncated IS)")
-    seeds = mo.ui.slider(10, 50, value=notebook.arg("seeds", 10), label="seeds")
+    seeds = mo.ui.slider(10, 50, value=notebook.arg("seeds", 10), label="seeds", show_value=True)
     horizons = mo.ui.text(value=notebook.arg("horizons", "4,8,12"), label="horizons to compare")
     budget = mo.ui.slider(
-        100, 3000, step=100, value=notebook.arg("updates", 400), label="update budget"
+        100,
+        3000,
+        step=100,
+        value=notebook.arg("updates", 400),
+        label="update budget",
+        show_value=True,
     )
     run = mo.ui.run_button(label="Train every preset")
     mo.vstack(
         [
             mo.md("**World**"),
-            mo.hstack([horizon, k], justify="start"),
-            mo.hstack([noise, spread], justify="start"),
+            mo.hstack([horizon, k], justify="start", gap=2, wrap=True),
+            mo.hstack([noise, spread], justify="start", gap=2, wrap=True),
             mo.md("**MAPO**"),
-            mo.hstack([schedule, alpha0, alpha1, alpha_steps], justify="start"),
-            mo.hstack([gamma, replay], justify="start"),
-            mo.hstack([capacity, max_age], justify="start"),
+            mo.hstack([schedule, alpha0, alpha1, alpha_steps], justify="start", gap=2, wrap=True),
+            mo.hstack([gamma, replay], justify="start", gap=2, wrap=True),
+            mo.hstack([capacity, max_age], justify="start", gap=2, wrap=True),
             mo.md("**Comparison**"),
-            mo.hstack([horizons, seeds, budget, run], justify="start"),
+            mo.hstack([horizons, seeds, budget, run], justify="start", gap=2, wrap=True),
         ]
     )
     return (
@@ -308,28 +340,29 @@ def _(mo):
 
 
 @app.cell
-def _(json, lab, mapo, notebook):
+def _(lab, mapo, notebook):
+    # One run per (preset, horizon), cached on its settings: moving a MAPO knob retrains MAPO
+    # alone, the other presets come from the cache (what `lab.compare` runs, one at a time).
     @notebook.cache
-    def train_all(lab_json: str, presets_json: str, horizons: tuple, seeds: int):
-        cfg = lab.LabConfig.model_validate_json(lab_json)
-        advs = {
-            name: mapo.AdvantageConfig.model_validate(v)
-            for name, v in json.loads(presets_json).items()
-        }
-        return lab.compare(cfg, advs, list(horizons), seeds)
+    def train_one(lab_json: str, horizon: int, preset_json: str, seeds: int):
+        cfg = lab.LabConfig.model_validate_json(lab_json).model_copy(update={"horizon": horizon})
+        return lab.train(cfg, mapo.AdvantageConfig.model_validate_json(preset_json), seeds)
 
-    return (train_all,)
+    return (train_one,)
 
 
 @app.cell
-def _(horizon_list, json, lab_config, mo, n_seeds, notebook, presets, run, train_all):
+def _(horizon_list, lab_config, mo, n_seeds, notebook, presets, run, train_one):
     if notebook.gate(run):
-        runs = train_all(
-            lab_config.model_dump_json(),
-            json.dumps({name: c.model_dump() for name, c in presets.items()}),
-            tuple(horizon_list),
-            n_seeds,
-        )
+        _todo = [(h, c) for h in horizon_list for c in presets.values()]
+        runs = [
+            train_one(lab_config.model_dump_json(), h, c.model_dump_json(), n_seeds)
+            for h, c in notebook.progress(
+                _todo,
+                title=f"Training {len(presets)} presets at {len(horizon_list)} horizons",
+                subtitle=f"{n_seeds} seeds each, up to {lab_config.updates} updates",
+            )
+        ]
         _msg = mo.md(f"Trained {len(runs)} runs × {n_seeds} seeds.")
     else:
         runs = []
@@ -346,16 +379,23 @@ def _(charts, lab, lab_config, pl, runs):
 
 
 @app.cell
-def _(lab, pl, runs):
+def _(lab, mo, notebook, pl, runs):
     table = pl.DataFrame(lab.samples_table(runs)) if runs else pl.DataFrame()
     samples_wide = (
-        table.pivot(on="horizon", index="preset", values="median_episodes").rename(
-            lambda c: c if c == "preset" else f"H={c}"
+        notebook.rounded(
+            table.pivot(on="horizon", index="preset", values="median_episodes").rename(
+                lambda c: c if c == "preset" else f"H={c}"
+            ),
+            0,
         )
         if runs
         else table
     )
-    samples_wide
+    (
+        mo.vstack([mo.md("**Median rollouts to the target** (per seed; ∞: never)"), samples_wide])
+        if runs
+        else mo.md("*The table of rollouts to the target appears after training.*")
+    )
     return samples_wide, table
 
 
@@ -440,7 +480,7 @@ def _(mo):
 
 
 @app.cell
-def _(horizon_list, lab, lab_config, mapo, n_seeds, notebook, pl, presets, run):
+def _(horizon_list, lab, lab_config, mapo, mo, n_seeds, notebook, pl, presets, run):
     if notebook.gate(run):
         _base = presets["mapo"].model_dump()
         _variants = {
@@ -452,7 +492,11 @@ def _(horizon_list, lab, lab_config, mapo, n_seeds, notebook, pl, presets, run):
         }
         _cfg = lab_config.model_copy(update={"horizon": max(horizon_list)})
         _rows = []
-        for _name, _v in _variants.items():
+        for _name, _v in notebook.progress(
+            _variants.items(),
+            title=f"Ablation at H={_cfg.horizon}: {len(_variants)} variants of MAPO",
+            subtitle=f"{n_seeds} seeds each",
+        ):
             _r = lab.train(_cfg, mapo.AdvantageConfig.model_validate(_v | {"name": _name}), n_seeds)
             _rows.append(
                 {
@@ -461,10 +505,14 @@ def _(horizon_list, lab, lab_config, mapo, n_seeds, notebook, pl, presets, run):
                     "median_episodes": lab.median_samples(_r),
                 }
             )
-        ablation = pl.DataFrame(_rows)
+        ablation = notebook.rounded(_rows, 0)
     else:
         ablation = pl.DataFrame()
-    ablation
+    (
+        ablation
+        if ablation.height
+        else mo.md("*The ablation runs with the comparison: press **Train every preset** above.*")
+    )
     return (ablation,)
 
 

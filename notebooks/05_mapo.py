@@ -1,3 +1,14 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "kitchen",
+#     "marimo>=0.25",
+# ]
+#
+# [tool.uv.sources]
+# kitchen = { path = "..", editable = true }
+# ///
+
 import marimo
 
 __generated_with = "0.25.2"
@@ -29,6 +40,8 @@ def _(mo):
 
 @app.cell
 def _():
+    import warnings
+
     import marimo as mo
     import polars as pl
 
@@ -38,6 +51,9 @@ def _():
     from kitchen.train import AdvantageChoice, Recipe, Run
     from kitchen.world import render_transcript
 
+    # peft 0.21 asks transformers 5 for the deprecated `is_gradient_checkpointing` when it adds
+    # the policy's LoRA adapter: a FutureWarning about the libraries, not about this notebook.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
     return (
         AdvantageChoice,
         PRESETS,
@@ -68,22 +84,28 @@ def _(mo):
 @app.cell
 def _(PRESETS, mo, notebook):
     preset = mo.ui.dropdown(list(PRESETS), value=notebook.arg("preset", "mapo"), label="preset")
-    alpha0 = mo.ui.slider(0.0, 1.0, step=0.05, value=0.2, label="α start")
-    alpha1 = mo.ui.slider(0.0, 1.0, step=0.05, value=0.5, label="α end")
-    k = mo.ui.slider(2, 16, value=notebook.arg("k", 4), label="K per task")
-    tasks = mo.ui.slider(1, 8, value=notebook.arg("tasks", 2), label="tasks per iteration")
-    iterations = mo.ui.slider(1, 40, value=notebook.arg("iterations", 2), label="iterations")
+    alpha0 = mo.ui.slider(0.0, 1.0, step=0.05, value=0.2, label="α start", show_value=True)
+    alpha1 = mo.ui.slider(0.0, 1.0, step=0.05, value=0.5, label="α end", show_value=True)
+    k = mo.ui.slider(2, 16, value=notebook.arg("k", 4), label="K per task", show_value=True)
+    tasks = mo.ui.slider(
+        1, 8, value=notebook.arg("tasks", 2), label="tasks per iteration", show_value=True
+    )
+    iterations = mo.ui.slider(
+        1, 40, value=notebook.arg("iterations", 2), label="iterations", show_value=True
+    )
     lr = mo.ui.dropdown(["1e-4", "2e-4", "5e-4", "1e-3"], value="5e-4", label="learning rate")
-    beta = mo.ui.slider(0.0, 0.2, step=0.01, value=0.02, label="KL β")
+    beta = mo.ui.slider(0.0, 0.2, step=0.01, value=0.02, label="KL β", show_value=True)
     reviewer = mo.ui.dropdown(
         ["grm", "judge"], value=notebook.arg("reviewer", "grm"), label="reviewer"
     )
-    max_turns = mo.ui.slider(3, 10, value=notebook.arg("max_turns", 6), label="max turns")
+    max_turns = mo.ui.slider(
+        3, 10, value=notebook.arg("max_turns", 6), label="max turns", show_value=True
+    )
     mo.vstack(
         [
-            mo.hstack([preset, reviewer, lr]),
-            mo.hstack([alpha0, alpha1, beta]),
-            mo.hstack([k, tasks, iterations, max_turns]),
+            mo.hstack([preset, reviewer, lr], justify="start", gap=2, wrap=True),
+            mo.hstack([alpha0, alpha1, beta], justify="start", gap=2, wrap=True),
+            mo.hstack([k, tasks, iterations, max_turns], justify="start", gap=2, wrap=True),
         ]
     )
     return alpha0, alpha1, beta, iterations, k, lr, max_turns, preset, reviewer, tasks
@@ -100,6 +122,7 @@ def _(
     k,
     lr,
     max_turns,
+    mo,
     preset,
     reviewer,
     tasks,
@@ -128,7 +151,18 @@ def _(
         samples_per_iteration=0,
         torch_threads=1,
     )
-    recipe.advantage.resolve().alpha
+    _a = recipe.advantage.resolve().alpha
+    _mix = (
+        f"α = {_a.alpha0:g} throughout"
+        if _a.kind == "constant"
+        else f"α from {_a.alpha0:g} to {_a.alpha1:g} ({_a.kind}, over {_a.steps} updates)"
+    )
+    mo.md(
+        f"**The recipe:** `{preset.value}` · {_mix} · KL β {beta.value:g} · "
+        f"{tasks.value} tasks × K {k.value} = {tasks.value * k.value} dialogues per iteration, "
+        f"{iterations.value} iteration{'s' if iterations.value != 1 else ''}, reviewed by the "
+        f"{'GRM' if reviewer.value == 'grm' else 'rule judge'}."
+    )
     return (recipe,)
 
 
@@ -157,14 +191,21 @@ def _(Run, charts, notebook, pl, recipe, train_button):
     if notebook.gate(train_button):
         import tempfile
 
-        run = Run(recipe, folder=tempfile.mkdtemp(prefix="nb05-"), progress=False)
-        for _ in notebook.progress(range(recipe.train.iterations), title="iterations"):
+        _n = recipe.train.iterations
+        _per = recipe.train.tasks_per_iteration * recipe.rollout.k
+        with notebook.spinner("Loading the policy and the reviewer"):
+            run = Run(recipe, folder=tempfile.mkdtemp(prefix="nb05-"), progress=False)
+        for _i in notebook.progress(
+            range(_n),
+            title=f"Training: {_n} iterations",
+            subtitle=f"each: {_per} dialogues played, reviewed, then one update",
+        ):
             history.append(run.step())
             notebook.show(
                 charts.run_curves(
                     pl.DataFrame(history, infer_schema_length=None),
                     ["reward/global_mean", "reward/local_mean", "judge/compliance"],
-                    "so far",
+                    f"rewards so far (iteration {_i + 1} of {_n})",
                 )
             )
     metrics = pl.DataFrame(history, infer_schema_length=None) if history else pl.DataFrame()
@@ -218,7 +259,7 @@ def _(mo):
 @app.cell
 def _(mo, run):
     n_last = len(run.last["trajectories"]) if run is not None and run.last else 0
-    pick = mo.ui.slider(0, max(n_last - 1, 0), value=0, label="dialogue")
+    pick = mo.ui.slider(0, max(n_last - 1, 0), value=0, label="dialogue", show_value=True)
     pick
     return (pick,)
 
@@ -243,7 +284,11 @@ def _(mo, pick, pl, render_transcript, run, turn_rewards):
                         if v.turn == ti.turn and v.verdict == "violate"
                     ),
                     "local": round(_local[ti.turn], 3) if _valid[ti.turn] else None,
-                    "advantage": run.last["advantages"].get((_t.id, ti.turn)),
+                    "advantage": (
+                        None
+                        if (_adv := run.last["advantages"].get((_t.id, ti.turn))) is None
+                        else round(float(_adv), 3)
+                    ),
                 }
                 for ti in _t.turns
             ]

@@ -1,3 +1,14 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "kitchen",
+#     "marimo>=0.25",
+# ]
+#
+# [tool.uv.sources]
+# kitchen = { path = "..", editable = true }
+# ///
+
 import marimo
 
 __generated_with = "0.25.2"
@@ -165,7 +176,7 @@ def _(mo):
 
 
 @app.cell
-def _(RewardConfig, jobs, kverl, pl, sample_trajs, torch, episode_row):
+def _(RewardConfig, episode_row, jobs, kverl, notebook, sample_trajs, torch):
     _score, _info = kverl.review_episode(
         sample_trajs[0], jobs[0][1], None, RewardConfig(reviewer="judge", global_blend=0.5)
     )
@@ -174,12 +185,12 @@ def _(RewardConfig, jobs, kverl, pl, sample_trajs, torch, episode_row):
         [_score.turns], [float(_score)], _mask, [len(episode_row.mask) - 1]
     )
     _spans, _local, _outcome = kverl.read_layout(layout_rewards, _mask)
-    layout_frame = pl.DataFrame(
+    layout_frame = notebook.rounded(
         [
-            {"slot": f"turn {t}", "token": e - 1, "reward": r}
+            {"slot": f"turn {t}", "token": e - 1, "reward": float(r)}
             for t, ((_, e), r) in enumerate(zip(_spans[0], _local[0], strict=True))
         ]
-        + [{"slot": "outcome", "token": len(episode_row.mask) - 1, "reward": _outcome[0]}]
+        + [{"slot": "outcome", "token": len(episode_row.mask) - 1, "reward": float(_outcome[0])}]
     )
     layout_frame
     return (layout_frame,)
@@ -209,11 +220,12 @@ def _(launch, mo):
 
 
 @app.cell
-def _(launch, pl):
+def _(launch, mo, pl):
     launch_commands = pl.DataFrame(
         [{"setup": k, "command": v} for k, v in launch.commands().items()]
     )
-    launch_commands
+    # long commands wrap inside their column instead of running off the table's edge
+    mo.ui.table(launch_commands, wrapped_columns=["command"], selection=None, page_size=20)
     return
 
 
@@ -231,14 +243,23 @@ def _(mo):
 
 @app.cell
 def _(mo, notebook):
-    steps = mo.ui.slider(1, 5, value=notebook.arg("steps", 2), label="TRL steps")
+    steps = mo.ui.slider(1, 5, value=notebook.arg("steps", 2), label="TRL steps", show_value=True)
     train_button = mo.ui.run_button(label="Train with TRL")
-    mo.hstack([steps, train_button])
+    mo.hstack([steps, train_button], justify="start", gap=2, wrap=True)
     return steps, train_button
 
 
 @app.cell
-def _(Recipe, ktrl, mo, notebook, steps, tempfile, torch, train_button):
+def _(mo, steps):
+    mo.md(
+        f"{steps.value} TRL step{'s' if steps.value != 1 else ''}, each on 2 tasks × K 4 = 8 "
+        "episodes of at most 4 turns, reviewed by the rule judge."
+    )
+    return
+
+
+@app.cell
+def _(Recipe, charts, ktrl, mo, notebook, pl, steps, tempfile, torch, train_button):
     if notebook.gate(train_button):
         _recipe = Recipe.model_validate(
             {
@@ -265,23 +286,48 @@ def _(Recipe, ktrl, mo, notebook, steps, tempfile, torch, train_button):
         )
         torch.manual_seed(0)
         _model, _tok = ktrl.demo_policy()  # a fresh copy: TRL adds the adapter to it
-        trainer = ktrl.build_trainer(
-            ktrl.TRLRecipe(kitchen=_recipe, trl={"output_dir": tempfile.mkdtemp()}),
-            model=_model,
-            tokenizer=_tok,
-        )
-        _before = {
-            k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad
-        }
-        trainer.train()
+        _rows = []
+
+        def _curves(title):
+            return charts.run_curves(
+                pl.DataFrame(_rows, infer_schema_length=None),
+                ["loss", "reward", "adv/mixed_abs_mean"],
+                title,
+                x="step",
+            )
+
+        def _draw(row):
+            # the live chart: TRL's logged loss and reward, redrawn below the progress bar
+            if "loss" in row:
+                _rows.append({k: float(v) for k, v in row.items() if isinstance(v, int | float)})
+                notebook.show(_curves(f"TRL run so far (step {row['step']} of {steps.value})"))
+
+        with notebook.trainer_progress(f"TRL: {steps.value} GRPOTrainer steps"):
+            trainer = ktrl.build_trainer(
+                ktrl.TRLRecipe(kitchen=_recipe, trl={"output_dir": tempfile.mkdtemp()}),
+                model=_model,
+                tokenizer=_tok,
+            )
+            trainer.add_callback(notebook.log_callback(_draw))
+            _before = {
+                k: v.detach().clone()
+                for k, v in trainer.model.named_parameters()
+                if v.requires_grad
+            }
+            trainer.train()
         moved = sum(
             (v.detach() - _before[k]).abs().sum().item()
             for k, v in trainer.model.named_parameters()
             if k in _before
         )
-        _msg = mo.md(
-            f"{trainer.state.global_step} TRL steps; the adapter moved by {moved:.3g} "
-            "(sum of absolute changes)."
+        _msg = mo.vstack(
+            [
+                mo.md(
+                    f"{trainer.state.global_step} TRL steps; the adapter moved by {moved:.3g} "
+                    "(sum of absolute changes)."
+                ),
+                _curves("the TRL run"),
+            ]
         )
     else:
         trainer, moved = None, 0.0
@@ -291,7 +337,7 @@ def _(Recipe, ktrl, mo, notebook, steps, tempfile, torch, train_button):
 
 
 @app.cell
-def _(pl, trainer):
+def _(mo, notebook, pl, trainer):
     _keep = [
         "step",
         "loss",
@@ -306,7 +352,7 @@ def _(pl, trainer):
         "step_time",
     ]
     trl_log = (
-        pl.DataFrame(
+        notebook.rounded(
             [
                 {k: float(r[k]) for k in _keep if k in r}
                 for r in trainer.state.log_history
@@ -316,7 +362,7 @@ def _(pl, trainer):
         if trainer
         else pl.DataFrame()
     )
-    trl_log
+    trl_log if trainer else mo.md("*Train with TRL above: its log appears here.*")
     return (trl_log,)
 
 

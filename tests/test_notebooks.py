@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 
@@ -47,14 +48,49 @@ def test_01_constitution_values():
     assert len(defs["cache"]) == len(defs["profiles"])
 
 
-@pytest.fixture
-def no_cli_args(monkeypatch):
-    """marimo's `cli_args()` reads sys.argv in `app.run()`: hide pytest's own flags (`-k ...`)
-    from the notebooks' `notebook.arg` controls."""
-    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+ARG_PROBE = """
+import marimo
+
+app = marimo.App()
 
 
-def test_05_mapo_values(no_cli_args):
+@app.cell
+def _():
+    from kitchen import notebook
+
+    k = notebook.arg("k", 4)
+    print(f"k={k}")
+    return (k,)
+
+
+if __name__ == "__main__":
+    app.run()
+"""
+
+
+def test_arg_reads_the_notebooks_own_flags_only(tmp_path, monkeypatch):
+    """Under pytest, `app.run()` is marimo's script mode and `mo.cli_args()` parses pytest's own
+    command line (`-k test_05` would become the notebook's `k`): `notebook.arg` reads flags
+    only when the notebook file itself is the program (`python NB.py --k 9`), and the
+    environment (`KITCHEN_NB_K`) always."""
+    probe = tmp_path / "probe_nb.py"
+    probe.write_text(ARG_PROBE)
+    spec = importlib.util.spec_from_file_location("probe_nb", probe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["pytest", "-k", "test_05", "--tb", "short"])
+    assert module.app.run()[1]["k"] == 4
+    monkeypatch.setenv("KITCHEN_NB_K", "6")
+    assert module.app.run()[1]["k"] == 6
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "KITCHEN_NB"))}
+    res = subprocess.run(
+        [sys.executable, str(probe), "--k", "9"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert res.returncode == 0 and "k=9" in res.stdout, res.stderr[-2000:]
+
+
+def test_05_mapo_values():
     """Notebook 05 trains its default recipe (mapo, the GRM reviewing) for its iterations: one
     metrics row per iteration with the reward, advantage, KL and entropy curves it charts, the
     policy adapter moved off zero, and the trajectory browser shows the last iteration's turns
@@ -80,21 +116,44 @@ def test_05_mapo_values(no_cli_args):
     }
 
 
-def test_06_evaluate_values(monkeypatch, no_cli_args):
-    """Notebook 06 with no trained run to load falls back to the SFT policy: played on the same
-    held-out tasks, diners and seeds as the baseline, the two reports agree exactly and the win
-    rate is 50%; the guard leaves no axiom violation the policy did not have, and every table
-    the notebook shows is filled."""
-    monkeypatch.setenv("KITCHEN_NB_RUN", str(ROOT / "runs" / "no-such-run"))
+def _lora_b_moved(model) -> bool:
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    return bool(lora_b) and any(p.abs().sum() > 0 for p in lora_b)  # LoRA B starts at zero
+
+
+def test_06_evaluate_trains_an_rl_policy_when_none_exists(monkeypatch, tmp_path):
+    """Notebook 06 with no shipped MAPO adapter and no run folder trains a small MAPO policy
+    (its adapter moves off zero) and evaluates it against the SFT policy — never the SFT policy
+    against itself: played on the same held-out tasks, diners and seeds, with a win rate inside
+    its interval; the guard leaves no axiom violation the policy did not have, and every table
+    the notebook shows is filled. Then the adapter it trained, saved as a shipped adapter
+    folder, is what the notebook evaluates without training."""
+    from kitchen.models import save_adapter
+
+    monkeypatch.setenv("KITCHEN_NB_RUN", str(tmp_path / "no-such-run"))
+    monkeypatch.setenv("KITCHEN_NB_SHIPPED", str(tmp_path / "no-such-adapter"))
     _, defs = load_app("06_evaluate.py").run()
-    report = defs["report"]
-    assert defs["policy_name"].startswith("sft")
-    assert report.policy.success == report.baseline.success
-    assert report.policy.compliance == report.baseline.compliance
-    assert report.win_rate[0] == pytest.approx(0.5)
+    report, run = defs["report"], defs["brief_run"]
+    assert defs["found"] is None and run is not None and run.iteration >= 1
+    assert defs["policy_name"].startswith("mapo (") and defs["policy"][0] is run.model
+    assert defs["policy"][0] is not defs["baseline"][0] and _lora_b_moved(run.model)
+    low, high = report.win_rate[1], report.win_rate[2]
+    assert 0.0 <= low <= report.win_rate[0] <= high <= 1.0
     assert report.guarded.axiom_violations <= report.policy.axiom_violations
     n = defs["tasks"].value * defs["samples"].value
-    assert len(defs["episodes"]["policy"]) == n
+    assert len(defs["episodes"]["policy"]) == len(defs["episodes"]["baseline"]) == n
+    assert [t.profile for t in defs["episodes"]["policy"]] == [
+        t.profile for t in defs["episodes"]["baseline"]
+    ]
     table = defs["clause_table"]
     assert set(table["series"]) == {"policy", "sft", "policy + guard"}
     assert defs["personal"].height > 0
+
+    shipped = tmp_path / "mapo-tiny"
+    save_adapter(run.model, run.adapter, shipped)
+    monkeypatch.setenv("KITCHEN_NB_SHIPPED", str(shipped))
+    monkeypatch.setenv("KITCHEN_NB_TASKS", "2")
+    _, defs = load_app("06_evaluate.py").run()
+    assert defs["found_name"] == "mapo-tiny (shipped)" and defs["brief_run"] is None
+    assert defs["policy_name"] == "mapo-tiny (shipped)" and _lora_b_moved(defs["policy"][0])
+    assert defs["report"].baseline is not None and len(defs["episodes"]["policy"]) == 2
