@@ -10,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-slow test-gpu gpu-check gpu-wheels test-verl bench ipynb nbval lint format check-notebooks schema clean
+.PHONY: help install demo test test-slow test-gpu gpu-check gpu-wheels test-verl test-browser bench ipynb nbval lint format check-notebooks schema clean
 
 help: ## list the targets, one line each
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -53,6 +53,27 @@ $(VERL_STAMP):
 
 test-verl: $(VERL_STAMP) ## verl integration tests in their own venv (built once: ~2 min, 2.4 GB; part of make test)
 	$(VERL_VENV)/bin/python -m pytest tests/test_integrations_verl.py $(PYTEST_ARGS)
+
+# The real-browser test drives Debian's Chromium through selenium (a browser a test tool downloads
+# itself does not start on these machines). Set up once per venv, then skipped: the apt packages
+# when chromium or chromedriver is missing (as root, or through sudo), selenium into the venv.
+SELENIUM ?= selenium==4.51.0
+BROWSER_STAMP := $(VENV)/.browser-$(shell echo '$(SELENIUM)' | cksum | cut -d' ' -f1)
+
+$(BROWSER_STAMP): $(STAMP)
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); mkdir -p build; \
+	  echo "installing Debian's chromium and chromium-driver (apt-get; log: build/apt-browser.log)"; \
+	  { $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q \
+	    chromium chromium-driver; } >build/apt-browser.log 2>&1 \
+	  || echo "apt-get failed (build/apt-browser.log): the browser test will skip, saying so"; \
+	fi
+	$(PY) -m pip install -q '$(SELENIUM)' 2>&1 | { grep -v '^WARNING: Location' || true; }
+	@rm -f $(VENV)/.browser-*
+	@if command -v chromedriver >/dev/null 2>&1; then touch $@; fi
+
+test-browser: $(BROWSER_STAMP) ## serve every notebook (marimo run), check it in headless Chromium; screenshots to build/screens/
+	KITCHEN_BROWSER=1 $(PY) -m pytest tests/test_browser.py $(PYTEST_ARGS)
 
 bench: $(STAMP) ## run the speed and memory benchmarks that need no GPU (prints ratios)
 	$(PY) benchmarks/bench_buffer.py
