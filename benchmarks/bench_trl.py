@@ -12,12 +12,14 @@ step) so that other load on the machine falls on both alike:
 
 - **kitchen** — `kitchen.train.Run.step()`, the loop `kitchen cook` runs;
 - **trl** — `kitchen.integrations.trl.MAPOTrainer`, i.e. TRL's `GRPOTrainer` with the kit's
-  rollout hook, reward function and advantage.
+  rollout hook, reward function and advantage; its rollouts decode with transformers' `generate`
+  (`--trl-decoding generate`, the default: what `GRPOTrainer` does without vLLM), or with the
+  kit's engine (`--trl-decoding engine`: then the two loops differ in their update alone).
 
 Same work: the same jobs in the same order (TRL's dataset is the kit's job sequence, unshuffled),
 the same K, turns, token budgets, LoRA adapter, learning rate, KL coefficient, preset (`mapo`),
-reviewer (the rule judge) and sampling seeds — at the first iteration both play identical
-episodes (checked and printed). CPU: the shipped tiny policy. GPU (`--device cuda`, or `auto`
+reviewer (the rule judge) and sampling seeds — with `--trl-decoding engine` both play identical
+episodes at the first iteration (checked and printed). CPU: the shipped tiny policy. GPU (`--device cuda`, or `auto`
 where CUDA is available): a randomly initialised model of Qwen2.5-0.5B's shape built from a
 `Qwen2Config` (no hub download), with an end-of-turn logit bias so its turns end.
 
@@ -44,6 +46,7 @@ from pathlib import Path
 import torch
 
 from kitchen import paths
+from kitchen.engine import force_generate
 
 
 class Phases:
@@ -197,7 +200,14 @@ def run_both(recipe, args, eos_bias):
 
     kitchen = KitchenLoop(recipe, args, eos_bias, tempfile.mkdtemp(prefix="bench-kitchen-"))
     ph = Phases()
-    ktrl.rollout = ph.wrap("rollout", ktrl.rollout, lambda out: out[1].tokens)
+    rollout = ktrl.rollout
+    if args.trl_decoding == "generate":  # TRL's own decoding: transformers' generate per turn
+
+        def rollout(*a, _inner=ktrl.rollout, **kw):
+            with force_generate():
+                return _inner(*a, **kw)
+
+    ktrl.rollout = ph.wrap("rollout", rollout, lambda out: out[1].tokens)
     ktrl.GRMReward.review = ph.wrap("review", ktrl.GRMReward.review)
     ktrl.advantages_for = ph.wrap("advantage", ktrl.advantages_for)
     flat = [j for jobs in kitchen.jobs for j in jobs]
@@ -330,6 +340,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="cProfile one update of each loop")
+    ap.add_argument(
+        "--trl-decoding",
+        choices=["generate", "engine"],
+        default="generate",
+        help="how TRL's side decodes its rollouts: generate (default: what GRPOTrainer does "
+        "without vLLM) or the kit's engine (then both loops play the same episodes, checked)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -361,7 +378,14 @@ def main() -> None:
         f"≤{args.max_new_tokens} tokens; preset mapo, LoRA r=16, rule-judge reward; "
         f"median of {args.iters} updates after {args.warmup} warm-up"
     )
-    print(f"same episodes at the first iteration: {'yes' if k_first == t_first else 'no'}\n")
+    if args.trl_decoding == "engine":
+        print(f"same episodes at the first iteration: {'yes' if k_first == t_first else 'no'}\n")
+    else:
+        print(
+            "TRL's side decodes with transformers' generate, as GRPOTrainer does without vLLM; "
+            "kitchen's with its engine (the same jobs and seeds; each row's random stream "
+            "differs, so episodes are sampled apart)\n"
+        )
     print("| per update | kitchen | TRL GRPOTrainer | kitchen / TRL |")
     print("|---|---:|---:|---:|")
     for key, name in (

@@ -291,7 +291,7 @@ def test_side_by_side_benchmark_runs_in_a_tiny_shape():
     import sys
 
     args = ["--threads", "1", "--iters", "1", "--warmup", "0", "--tasks", "1", "--k", "2"]
-    args += ["--turns", "2", "--max-new-tokens", "16"]
+    args += ["--turns", "2", "--max-new-tokens", "16", "--trl-decoding", "engine"]
     res = subprocess.run(
         [sys.executable, str(paths.HOME / "benchmarks" / "bench_trl.py"), *args],
         capture_output=True,
