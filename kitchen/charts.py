@@ -668,3 +668,35 @@ def memory_bars(memory) -> alt.Chart:
         height=18 * len(memory.parts),
         title=f"memory by formula: {memory.total_gb:.2f} GB peak",
     )
+
+
+def method_curves(frame: pl.DataFrame, title: str = "", y_title: str = "") -> alt.Chart:
+    """Learning curves of several methods over seeds: the mean over seeds as a line, the range
+    (min to max over seeds) as a band. `frame` has columns method, seed, episodes, value; one
+    seed draws the line alone."""
+    df = frame.filter(pl.col("value").cast(pl.Float64).is_finite())
+    if df.is_empty():
+        return no_data(title, 420, 220)
+    agg = df.group_by("method", "episodes").agg(
+        pl.col("value").mean().alias("mean"),
+        pl.col("value").min().alias("low"),
+        pl.col("value").max().alias("high"),
+        pl.col("seed").n_unique().alias("seeds"),
+    )
+    base = alt.Chart(agg, title=title).encode(
+        x=alt.X("episodes:Q", title="training episodes"),
+        color=alt.Color("method:N", title="method"),
+    )
+    band = base.mark_area(opacity=0.2).encode(y="low:Q", y2="high:Q")
+    line = base.mark_line(point=True).encode(
+        y=alt.Y("mean:Q", title=y_title or "value", scale=alt.Scale(zero=False)),
+        tooltip=[
+            "method",
+            "episodes",
+            alt.Tooltip("mean:Q", format=".3f"),
+            alt.Tooltip("low:Q", format=".3f"),
+            alt.Tooltip("high:Q", format=".3f"),
+            "seeds",
+        ],
+    )
+    return (band + line).properties(width=420, height=220)

@@ -186,6 +186,7 @@ def _eval(args: argparse.Namespace) -> int:
         tasks=args.tasks,
         samples=args.samples,
         seed=args.seed,
+        long_share=args.long,
         guard=args.guard,
         out=args.out,
     )
@@ -245,8 +246,26 @@ def _tour(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from kitchen.demo import main_job, summary
 
-    print(summary(main_job(iterations=args.iterations, eval_tasks=args.eval_tasks)))
+    seeds = args.seeds or [0]
+    results = main_job(
+        iterations=args.iterations,
+        eval_tasks=args.eval_tasks,
+        eval_samples=args.eval_samples,
+        seeds=seeds,
+    )
+    print(summary(results, "demo" if seeds == [0] else "demo-seeds"))
     return 0
+
+
+def _seeds(text: str) -> list[int]:
+    """An argparse `type`: comma-separated seeds, e.g. 0,1,2."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds like 0,1,2, got {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct whole numbers >= 0: {text!r}")
+    return seeds
 
 
 Handler = Callable[[argparse.Namespace], int]
@@ -355,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=None, help="seed (default 1234)")
     p.add_argument(
+        "--long",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="share of the held-out tasks that are meals (long tasks; default 0)",
+    )
+    p.add_argument(
         "--guard", action="store_true", help="also play the policy behind the axiom guard"
     )
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON")
@@ -398,7 +424,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="iterations per run (default: the recipes' own)",
     )
     p.add_argument(
-        "--eval-tasks", type=count(1, 10_000), default=24, help="held-out tasks (default 24)"
+        "--eval-tasks",
+        type=count(1, 10_000),
+        default=48,
+        help="held-out tasks, half of them meals (default 48)",
+    )
+    p.add_argument(
+        "--eval-samples",
+        type=count(1, 16),
+        default=2,
+        help="episodes per held-out task and diner (default 2)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=None,
+        help="run MAPO and GRPO for each of these seeds (e.g. 0,1,2): the multi-seed figure, "
+        "written to runs/demo-seeds/ (default: seed 0 only, runs/demo/)",
     )
     p.set_defaults(func=_demo)
     return parser

@@ -514,11 +514,13 @@ def eval_main(
     tasks: int | None = None,
     samples: int | None = None,
     seed: int | None = None,
+    long_share: float | None = None,
     guard: bool = False,
     out: str | None = None,
 ) -> int:
     """`kitchen eval --policy PATH [--baseline PATH] [--tasks N] [--samples K] [--seed S]
-    [--guard] [--out FILE]`: play the held-out set, judge it by rules, print the table.
+    [--long SHARE] [--guard] [--out FILE]`: play the held-out set, judge it by rules, print the
+    table.
 
     Omitted numbers take `EvalConfig`'s defaults. `--out` also writes the report as JSON.
     Model paths are what `kitchen.models.load_model` accepts (a folder, or a hub name). Every
@@ -529,7 +531,15 @@ def eval_main(
     from kitchen.files import atomic_write_json
     from kitchen.models import ModelSpec, load_model
 
-    cfg = eval_args(policy, baseline=baseline, tasks=tasks, samples=samples, seed=seed, out=out)
+    cfg = eval_args(
+        policy,
+        baseline=baseline,
+        tasks=tasks,
+        samples=samples,
+        seed=seed,
+        long_share=long_share,
+        out=out,
+    )
     start = time.perf_counter()
     pol = load_model(ModelSpec(path=policy))
     base = load_model(ModelSpec(path=baseline)) if baseline else None
@@ -540,6 +550,7 @@ def eval_main(
         names["baseline"] = baseline
     command = "kitchen eval --policy " + policy + (f" --baseline {baseline}" if baseline else "")
     command += f" --tasks {cfg.tasks} --samples {cfg.samples} --seed {cfg.seed}"
+    command += f" --long {cfg.long_share:g}" if cfg.long_share else ""
     command += " --guard" if guard else ""
     print(
         f"held-out evaluation: {cfg.tasks} tasks × {cfg.samples} samples, seed {cfg.seed}, "
@@ -554,6 +565,9 @@ def eval_main(
     return 0
 
 
+FLAGS = {"long_share": "long"}  # EvalConfig field → `kitchen eval` flag
+
+
 def eval_args(
     policy: str,
     *,
@@ -561,6 +575,7 @@ def eval_args(
     tasks: int | None = None,
     samples: int | None = None,
     seed: int | None = None,
+    long_share: float | None = None,
     out: str | None = None,
 ) -> EvalConfig:
     """`kitchen eval`'s arguments checked before any model loads: the numbers as `EvalConfig`
@@ -574,14 +589,19 @@ def eval_args(
 
     where = "kitchen eval"
     problems: list[Problem] = []
-    given = {"tasks": tasks, "samples": samples, "seed": seed}
+    given = {"tasks": tasks, "samples": samples, "seed": seed, "long_share": long_share}
     cfg = None
     try:
         cfg = EvalConfig(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as err:
         for e in err.errors(include_url=False):
             problems.append(
-                Problem(where, None, f"--{e['loc'][0]}", f"{e['msg']} (got {e['input']!r})")
+                Problem(
+                    where,
+                    None,
+                    f"--{FLAGS.get(e['loc'][0], e['loc'][0])}",
+                    f"{e['msg']} (got {e['input']!r})",
+                )
             )
     for flag, path in (("--policy", policy), ("--baseline", baseline)):
         if path is None:

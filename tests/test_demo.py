@@ -23,16 +23,18 @@ def runs_dir(tmp_path, monkeypatch):
 
 
 def small_recipe(tmp_path) -> str:
-    """tiny_mapo.yaml in a small shape (the rule judge reviewing, two short iterations)."""
+    """tiny_mapo.yaml in a small shape (the rule judge reviewing, two short iterations, a mixed
+    held-out set so both task kinds are reported)."""
     doc = yaml.safe_load((paths.RECIPES / "tiny_mapo.yaml").read_text())
     doc |= {
         "reward": {"reviewer": "judge"},
-        "rollout": {"k": 2, "max_turns": 3, "max_new_tokens": 24, "batch_size": 8},
+        "rollout": {"k": 2, "max_turns": 3, "long_max_turns": 4, "max_new_tokens": 24,
+                    "batch_size": 8},
         "train": doc["train"] | {"iterations": 2, "tasks_per_iteration": 1, "task_pool": 8},
-        "eval": {"tasks": 2, "samples": 1},
+        "eval": {"tasks": 2, "samples": 1, "long_share": 0.5},
         "eval_every": 1,
         "checkpoint_every": 1,
-    }
+    }  # fmt: skip
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
@@ -51,11 +53,23 @@ def test_the_two_runs_differ_in_the_advantage_estimator_only():
     assert ag.loss_agg == am.loss_agg == "token-mean" and not ag.use_buffer
 
 
-def test_samples_to_reach_reads_the_rolling_mean():
-    frame = pl.DataFrame({"episodes": [32, 64, 96, 128], "c": [0.5, 0.9, 0.5, 0.9]})
-    assert demo.samples_to_reach(frame, 0.7, "c", window=1) == 64
-    assert demo.samples_to_reach(frame, 0.7, "c", window=2) == 64  # (0.5 + 0.9) / 2 = 0.7
-    assert demo.samples_to_reach(frame, 0.71, "c", window=2) is None
+def test_more_seeds_are_more_pairs_with_shifted_seeds():
+    docs = demo.arms(iterations=3, seeds=[0, 2], prefix="demo-seeds")
+    assert set(docs) == {"demo-seeds-mapo-s0", "demo-seeds-grpo-s0", "demo-seeds-mapo-s2",
+                         "demo-seeds-grpo-s2"}  # fmt: skip
+    base = load_recipe(paths.RECIPES / "tiny_mapo.yaml").seed
+    assert docs["demo-seeds-mapo-s2"]["seed"] == docs["demo-seeds-grpo-s2"]["seed"] == base + 2
+
+
+def test_efficiency_is_mapos_episodes_to_grpos_final_level():
+    grpo = pl.DataFrame({"episodes": [0, 100, 200, 300], "value": [0.80, 0.83, 0.85, 0.86]})
+    mapo_ = pl.DataFrame({"episodes": [0, 100, 200, 300], "value": [0.80, 0.87, 0.88, 0.90]})
+    e = demo.efficiency(mapo_, grpo)
+    assert e["target"] == pytest.approx(0.86) and e["grpo_episodes"] == 300
+    assert e["mapo_episodes"] == 100 and e["ratio"] == pytest.approx(1 / 3)
+    never = demo.efficiency(grpo, mapo_)  # the other way round: GRPO never gets to 0.90
+    assert never["mapo_episodes"] is None and never["ratio"] is None
+    assert demo._median([0.3, None, 0.5]) == 0.5 and demo._median([None]) is None
 
 
 def test_run_state_reuses_only_a_run_of_the_same_recipe(tmp_path):
@@ -85,48 +99,63 @@ def test_a_failed_training_run_is_reported_with_its_log(tmp_path, runs_dir):
 
 
 def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir):
-    """Both runs train, are evaluated against the SFT policy on held-out tasks, and the report
-    and results say what each run's advantage computes."""
+    """Both runs train, are evaluated against the SFT policy on held-out single dishes and
+    meals, and the report, results and table say what each run's advantage computes."""
     results = demo.main_job(
-        iterations=2, eval_tasks=2, eval_samples=1, progress=False, recipe=small_recipe(tmp_path)
+        iterations=2, eval_tasks=6, eval_samples=1, progress=False, recipe=small_recipe(tmp_path)
     )
     saved = json.loads((runs_dir / "demo" / "results.json").read_text())
-    assert saved["mapo_vs_grpo_win_rate"] == pytest.approx(results["mapo_vs_grpo_win_rate"])
+    assert set(saved["held_out"]) == {"sft", "demo-mapo", "demo-grpo"}
     for name in ("demo-mapo", "demo-grpo"):
-        w = results[name]["win_rate_vs_sft"]
-        assert 0.0 <= w[1] <= w[0] <= w[2] <= 1.0
-        assert results[name]["guarded"]["axiom_violations"] <= results[name]["axiom_violations"]
+        for kind in ("long", "short"):
+            r = results["held_out"][name][kind]
+            w = r["win_rate_vs_sft"]
+            assert 0.0 <= w[1] <= w[0] <= w[2] <= 1.0
+            assert r["guarded"]["axiom_violations"] <= r["axiom_violations"]
+            assert {g["clause"] for g in r["groups"]} == {"T3", "T4", "T6"}
         assert pl.read_parquet(runs_dir / name / "metrics.parquet").height == 2
-    a, b = (load_recipe(runs_dir / n / "recipe.yaml").model_dump() for n in demo.RUNS)
+    a, b = (
+        load_recipe(runs_dir / n / "recipe.yaml").model_dump() for n in ("demo-mapo", "demo-grpo")
+    )
     assert {k for k in a if a[k] != b[k]} == {"name", "advantage"}
-    assert "A_local  not used" in results["advantage"]["demo-grpo"]
-    assert "replay buffer" in results["advantage"]["demo-mapo"]
-    assert set(results["sample_efficiency"]["episodes"]) == set(demo.RUNS)
+    assert "A_local  not used" in results["advantage"]["grpo"]
+    assert "replay buffer" in results["advantage"]["mapo"]
+    assert set(results["sample_efficiency"]["long"]) == {0}
     html = (runs_dir / "demo" / "report.html").read_text()
     assert "differ in the advantage estimator alone" in html and html.count("<svg") > 10
-    assert "demo-mapo: win rate vs SFT" in demo.summary(results)
+    assert "Side by side" in html and "— sft —" in html
+    assert "mapo: win rate vs SFT" in demo.summary(results)
+    table = (runs_dir / "demo" / "table.md").read_text()
+    assert "**long tasks**" in table and "T3 pass, verbosity=brief" in table
 
 
 def test_numbers_over_nothing_read_no_data():
     """A held-out compliance or win rate over nothing (NaN) reads "no data" in the summary and
-    the efficiency line; the rolling mean skips such rows."""
+    the table, and an efficiency with no curve has no ratio."""
     nan = float("nan")
+    group = {"group": "verbosity=brief", "clause": "T3", "pass": nan}
     run = {
+        "episodes": 0,
         "win_rate_vs_sft": (nan, nan, nan),
         "success": nan,
         "compliance": nan,
         "axiom_violations": 0,
         "guarded": {"axiom_violations": 0},
+        "groups": [group],
     }
+    sft = {"episodes": 0, "success": nan, "compliance": nan, "axiom_violations": 0,
+           "groups": [group]}  # fmt: skip
     results = {
-        "demo-mapo": run,
-        "demo-grpo": run,
-        "sft": {"success": nan, "compliance": nan, "axiom_violations": 0},
-        "mapo_vs_grpo_win_rate": (nan, nan, nan),
-        "sample_efficiency": {"start": nan, "target": None, "episodes": {}},
+        "seeds": [0],
+        "eval": {"tasks": 0, "samples": 1},
+        "held_out": {"sft": {"long": sft}, "demo-mapo": {"long": run}, "demo-grpo": {"long": run}},
+        "mapo_vs_grpo": {0: (nan, nan, nan)},
+        "sample_efficiency": {"long": {0: demo.efficiency(pl.DataFrame(), pl.DataFrame())},
+                              "short": {}},
+        "median_ratio": {"long": None, "short": None},
         "seconds": 60.0,
-    }
+    }  # fmt: skip
     text = demo.summary(results)
-    assert "nan" not in text.lower() and text.count("no data") >= 7
-    frame = pl.DataFrame({"episodes": [32, 64, 96], "c": [0.9, nan, 0.9]})
-    assert demo.samples_to_reach(frame, 0.9, "c", window=2) == 32
+    assert "nan" not in text.lower() and text.count("no data") >= 5
+    table = demo.seeds_table(results, "demo")
+    assert "nan" not in table.lower() and "no data" in table
