@@ -295,14 +295,17 @@ def test_gpu_recipe_path_runs_on_a_cpu_in_small_shape(runs_dir):
     """recipes/gpu_qwen_qlora.yaml's path — a LoRA policy, the GRM a second adapter on the same
     base, the KL reference that base with the adapters off — in a small shape on a CPU (the
     shipped tiny policy as the base, no quantisation): one iteration reviews with the GRM
-    adapter and moves the policy adapter only; the base and the GRM adapter stay as they were."""
+    adapter and moves the policy adapter only; the base and the GRM adapter stay as they were.
+    The GRM adapter is untrained here (its lines do not parse), so flagged reviews are kept and the
+    world's outcome carries the advantage."""
     doc = yaml.safe_load((paths.RECIPES / "gpu_qwen_qlora.yaml").read_text())
     doc |= {
         "name": "gpu-small",
         "policy": doc["policy"] | {"path": POLICY, "quantization": "none", "lora": {"r": 4}},
         "grm": doc["grm"]
         | {"model": POLICY, "max_context_tokens": 1024, "max_new_tokens": 16, "batch_size": 8},
-        "rollout": {"k": 2, "max_turns": 3, "max_new_tokens": 32},
+        "rollout": {"k": 4, "max_turns": 6, "max_new_tokens": 32},
+        "reward": {"reviewer": "grm", "flagged": "keep"},
         "train": doc["train"] | {"iterations": 1, "tasks_per_iteration": 2, "lr": 1e-2},
         "eval_every": 0,
         "samples_per_iteration": 0,
