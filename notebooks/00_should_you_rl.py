@@ -69,9 +69,9 @@ def _(mo):
     mo.md(r"""
     ## 1 · Has SFT plateaued? The learning curve
 
-    The shipped cold-start run (`kitchen sft recipes/sft_tiny.yaml`, 564 optimiser steps; its
+    The shipped cold-start run (`kitchen sft recipes/sft_tiny.yaml`, 1,000 optimiser steps; its
     trainer log ships as `data/models/policy-tiny/sft_log.jsonl`) logged its held-out loss every
-    100 steps. Point the path at your own run's `log.jsonl` to test yours.
+    250 steps. Point the path at your own run's `log.jsonl` to test yours.
 
     **The plateau test** (`decide.plateau`): fit a power law `loss ≈ c · step^(−b)` to the last
     part of the curve (the *tail*) and ask what doubling the training would buy: `1 − 2^(−b)`.
