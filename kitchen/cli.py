@@ -426,8 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval-tasks",
         type=count(1, 10_000),
-        default=48,
-        help="held-out tasks, half of them meals (default 48)",
+        default=100,
+        help="held-out tasks, about half of them meals (default 100: with 2 samples, the 200 "
+        "episodes a win-rate interval needs)",
     )
     p.add_argument(
         "--eval-samples",

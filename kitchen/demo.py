@@ -318,7 +318,7 @@ def side_by_side(
 
 def main_job(
     iterations: int | None = None,
-    eval_tasks: int = 48,
+    eval_tasks: int = 100,
     eval_samples: int = 2,
     progress: bool = True,
     recipe: str | os.PathLike = paths.RECIPES / "tiny_mapo.yaml",

@@ -91,7 +91,19 @@ def _(PRESETS, mo, notebook):
         1, 8, value=notebook.arg("tasks", 2), label="tasks per iteration", show_value=True
     )
     iterations = mo.ui.slider(
-        1, 40, value=notebook.arg("iterations", 2), label="iterations", show_value=True
+        1,
+        40,
+        value=notebook.arg("iterations", 2 if notebook.small() else 10),
+        label="iterations",
+        show_value=True,
+    )
+    meals = mo.ui.slider(
+        0.0,
+        1.0,
+        step=0.25,
+        value=notebook.arg("meals", 0.5),
+        label="share of meals",
+        show_value=True,
     )
     lr = mo.ui.dropdown(["1e-4", "2e-4", "5e-4", "1e-3"], value="5e-4", label="learning rate")
     beta = mo.ui.slider(0.0, 0.2, step=0.01, value=0.02, label="KL β", show_value=True)
@@ -105,10 +117,11 @@ def _(PRESETS, mo, notebook):
         [
             mo.hstack([preset, reviewer, lr], justify="start", gap=2, wrap=True),
             mo.hstack([alpha0, alpha1, beta], justify="start", gap=2, wrap=True),
-            mo.hstack([k, tasks, iterations, max_turns], justify="start", gap=2, wrap=True),
+            mo.hstack([k, tasks, iterations], justify="start", gap=2, wrap=True),
+            mo.hstack([meals, max_turns], justify="start", gap=2, wrap=True),
         ]
     )
-    return alpha0, alpha1, beta, iterations, k, lr, max_turns, preset, reviewer, tasks
+    return alpha0, alpha1, beta, iterations, k, lr, max_turns, meals, preset, reviewer, tasks
 
 
 @app.cell
@@ -122,7 +135,9 @@ def _(
     k,
     lr,
     max_turns,
+    meals,
     mo,
+    notebook,
     preset,
     reviewer,
     tasks,
@@ -140,13 +155,16 @@ def _(
         name=f"nb05-{preset.value}",
         advantage=AdvantageChoice(preset=preset.value, overrides=_overrides),
         reward={"reviewer": reviewer.value},
-        rollout={"k": k.value, "max_turns": max_turns.value},
+        rollout={"k": k.value, "max_turns": max_turns.value, "long_max_turns": 24},
         train={
             "iterations": iterations.value,
             "tasks_per_iteration": tasks.value,
             "lr": float(lr.value),
             "task_pool": 40,
+            "long_share": meals.value,
         },
+        # the held-out curve below: this many held-out tasks and diners, the same share of meals
+        eval={"tasks": 4 if notebook.small() else 8, "samples": 1, "long_share": meals.value},
         eval_every=0,
         samples_per_iteration=0,
         torch_threads=1,
@@ -159,7 +177,8 @@ def _(
     )
     mo.md(
         f"**The recipe:** `{preset.value}` · {_mix} · KL β {beta.value:g} · "
-        f"{tasks.value} tasks × K {k.value} = {tasks.value * k.value} dialogues per iteration, "
+        f"{tasks.value} tasks × K {k.value} = {tasks.value * k.value} dialogues per iteration "
+        f"({meals.value:.0%} meals of up to 24 turns), "
         f"{iterations.value} iteration{'s' if iterations.value != 1 else ''}, reviewed by the "
         f"{'GRM' if reviewer.value == 'grm' else 'rule judge'}."
     )
@@ -173,6 +192,13 @@ def _(mo):
 
     Training runs in this notebook process (no run folder is written); each iteration appends a
     row of namespaced metrics (`reward/…`, `adv/…`, `kl/mean`, `policy/entropy`, `clause/…`).
+    Before the first update and a few times during training the policy also plays held-out tasks
+    with held-out diners, scored by the rule judge — never the reviewer it is trained on: that
+    curve, not the reward, says whether the policy got better.
+
+    Meals are where credit assignment matters: a meal of several courses takes 12–20 turns, and
+    one late mistake fails the whole order. The outcome-only `grpo` gives all twenty turns the same
+    advantage; `mapo`'s local term tells the good turns from the bad one.
     """)
     return
 
@@ -185,8 +211,8 @@ def _(mo):
 
 
 @app.cell
-def _(Run, charts, notebook, pl, recipe, train_button):
-    history = []
+def _(Run, charts, mo, notebook, pl, recipe, train_button):
+    history, held_out = [], []
     run = None
     if notebook.gate(train_button):
         import tempfile
@@ -195,21 +221,37 @@ def _(Run, charts, notebook, pl, recipe, train_button):
         _per = recipe.train.tasks_per_iteration * recipe.rollout.k
         with notebook.spinner("Loading the policy and the reviewer"):
             run = Run(recipe, folder=tempfile.mkdtemp(prefix="nb05-"), progress=False)
+        _every = max(1, _n // 4)  # a held-out point before training and about four during it
+        with notebook.spinner("Held-out tasks before training (rule judge)"):
+            held_out.append({"iteration": 0, **run.evaluate()})
         for _i in notebook.progress(
             range(_n),
             title=f"Training: {_n} iterations",
             subtitle=f"each: {_per} dialogues played, reviewed, then one update",
         ):
             history.append(run.step())
+            if (_i + 1) % _every == 0 or _i + 1 == _n:
+                held_out.append({"iteration": _i + 1, **run.evaluate()})
             notebook.show(
-                charts.run_curves(
-                    pl.DataFrame(history, infer_schema_length=None),
-                    ["reward/global_mean", "reward/local_mean", "judge/compliance"],
-                    f"rewards so far (iteration {_i + 1} of {_n})",
+                mo.hstack(
+                    [
+                        charts.run_curves(
+                            pl.DataFrame(history, infer_schema_length=None),
+                            ["reward/global_mean", "reward/local_mean", "judge/compliance"],
+                            f"training rewards (iteration {_i + 1} of {_n})",
+                        ),
+                        charts.run_curves(
+                            pl.DataFrame(held_out, infer_schema_length=None),
+                            ["eval/compliance", "eval/success"],
+                            "held-out compliance and success (rule judge)",
+                        ),
+                    ],
+                    wrap=True,
                 )
             )
     metrics = pl.DataFrame(history, infer_schema_length=None) if history else pl.DataFrame()
-    return metrics, run
+    held = pl.DataFrame(held_out, infer_schema_length=None) if held_out else pl.DataFrame()
+    return held, metrics, run
 
 
 @app.cell(hide_code=True)
@@ -217,20 +259,30 @@ def _(mo):
     mo.md(r"""
     ## 3 · What moved
 
-    Per-clause pass rates as the reviewer saw them (`clause/…`) and as the independent judge saw
-    them (`judge/…`); local and global advantage spreads; KL to the reference and the policy's
+    Held-out compliance on single dishes and on meals; per-clause pass rates as the reviewer saw
+    them (`clause/…`) and as the independent judge saw them (`judge/…`); local and global advantage spreads; KL to the reference and the policy's
     entropy (a plunge means mode collapse — the loop raises `alarm/entropy_collapse`).
     """)
     return
 
 
 @app.cell
-def _(charts, metrics, mo):
+def _(charts, held, metrics, mo):
     if metrics.is_empty():
         _out = mo.md("*Press train to see the curves.*")
     else:
         _out = mo.vstack(
             [
+                charts.run_curves(
+                    held,
+                    [
+                        c
+                        for c in ("eval/short_compliance", "eval/long_compliance")
+                        if c in held.columns
+                    ]
+                    or ["eval/compliance"],
+                    "held-out compliance per task kind (rule judge)",
+                ),
                 charts.clause_curves(metrics, "clause/"),
                 charts.run_curves(
                     metrics,

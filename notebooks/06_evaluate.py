@@ -109,16 +109,25 @@ def _(mo, notebook, paths):
     samples = mo.ui.slider(
         1, 4, value=notebook.arg("samples", 1), label="episodes per task", show_value=True
     )
-    mo.vstack([run_dir, mo.hstack([tasks, samples], justify="start", gap=2, wrap=True)])
-    return run_dir, samples, tasks
+    meals = mo.ui.slider(
+        0.0,
+        1.0,
+        step=0.25,
+        value=notebook.arg("meals", 0.5),
+        label="share of meals",
+        show_value=True,
+    )
+    mo.vstack([run_dir, mo.hstack([tasks, samples, meals], justify="start", gap=2, wrap=True)])
+    return meals, run_dir, samples, tasks
 
 
 @app.cell
-def _(mo, samples, tasks):
+def _(meals, mo, samples, tasks):
     _n = tasks.value * samples.value
     mo.md(
         f"Evaluation plays **{_n} held-out dialogue{'s' if _n != 1 else ''}** "
-        f"({tasks.value} tasks × {samples.value} episode{'s' if samples.value != 1 else ''}) "
+        f"({tasks.value} tasks × {samples.value} episode{'s' if samples.value != 1 else ''}, "
+        f"about {meals.value:.0%} of the tasks meals of several courses) "
         "with each of: the RL policy, the SFT policy, and the RL policy behind the axiom guard."
     )
     return
@@ -240,6 +249,7 @@ def _(
     baseline,
     eval_button,
     evaluate,
+    meals,
     notebook,
     policy,
     policy_name,
@@ -255,7 +265,12 @@ def _(
         ):
             report, episodes = evaluate(
                 policy,
-                EvalConfig(tasks=tasks.value, samples=samples.value, bootstrap=500),
+                EvalConfig(
+                    tasks=tasks.value,
+                    samples=samples.value,
+                    long_share=meals.value,
+                    bootstrap=500,
+                ),
                 baseline=baseline,
                 with_guard=True,
             )

@@ -91,15 +91,20 @@ def test_arg_reads_the_notebooks_own_flags_only(tmp_path, monkeypatch):
 
 
 def test_05_mapo_values():
-    """Notebook 05 trains its default recipe (mapo, the GRM reviewing) for its iterations: one
-    metrics row per iteration with the reward, advantage, KL and entropy curves it charts, the
+    """Notebook 05 trains its default recipe (mapo, the GRM reviewing, meals among the tasks) for
+    its iterations, with a held-out curve from before the first update: one metrics row per
+    iteration with the reward, advantage, KL and entropy curves it charts, the
     policy adapter moved off zero, and the trajectory browser shows the last iteration's turns
     with the advantages the update gave them."""
     _, defs = load_app("05_mapo.py").run()
     metrics, run, browser = defs["metrics"], defs["run"], defs["browser"]
-    recipe = defs["recipe"]
+    recipe, held = defs["recipe"], defs["held"]
     assert recipe.advantage.resolve().name == "mapo" and recipe.reward.reviewer == "grm"
+    assert recipe.train.long_share > 0 and recipe.eval.long_share > 0  # meals: credit assignment
     assert metrics.height == recipe.train.iterations == run.iteration
+    # the held-out curve: before the first update and after the last, by the rule judge
+    assert held["iteration"].to_list()[0] == 0 and held["iteration"].to_list()[-1] == run.iteration
+    assert all(0 <= v <= 1 for v in held["eval/compliance"].to_list())
     for name in ("reward/global_mean", "adv/mixed_abs_mean", "kl/mean", "policy/entropy"):
         values = metrics[name].to_list()
         assert all(math.isfinite(v) for v in values), name
