@@ -218,17 +218,27 @@ def episodes_to_reach(curve: pl.DataFrame, target: float) -> int | None:
 def efficiency(mapo_curve: pl.DataFrame, grpo_curve: pl.DataFrame) -> dict[str, Any]:
     """MAPO's episodes to reach GRPO's *final* held-out compliance, against GRPO's episodes:
     the ratio the README's claim is about (≤ ½: MAPO needs at most half GRPO's samples).
-    A ratio over nothing (no curve) is None; MAPO never reaching it is None too."""
+    A ratio over nothing (no curve) is None; MAPO never reaching it is None too, and so is a
+    GRPO run that ended no higher than it started (`improved` False): reaching a level the SFT
+    policy already had says nothing about sample efficiency."""
     if grpo_curve.height < 2 or mapo_curve.height < 2:
-        return {"target": None, "grpo_episodes": None, "mapo_episodes": None, "ratio": None}
-    target = float(grpo_curve.sort("episodes")["value"][-1])
+        return {
+            "target": None,
+            "grpo_episodes": None,
+            "mapo_episodes": None,
+            "ratio": None,
+            "improved": None,
+        }
+    values = grpo_curve.sort("episodes")["value"]
+    target, improved = float(values[-1]), float(values[-1]) > float(values[0])
     grpo_eps = int(grpo_curve["episodes"].max())
     mapo_eps = episodes_to_reach(mapo_curve, target)
     return {
         "target": target,
         "grpo_episodes": grpo_eps,
         "mapo_episodes": mapo_eps,
-        "ratio": None if mapo_eps is None or grpo_eps == 0 else mapo_eps / grpo_eps,
+        "ratio": None if mapo_eps is None or grpo_eps == 0 or not improved else mapo_eps / grpo_eps,
+        "improved": improved,
     }
 
 
@@ -555,6 +565,12 @@ def efficiency_text(eff: dict[Any, dict[str, Any]], median: float | None, kind: 
     for seed, e in eff.items():
         if e["target"] is None:
             parts.append(f"seed {seed}: no curve")
+            continue
+        if not e.get("improved", True):
+            parts.append(
+                f"seed {seed}: GRPO ended at {e['target']:.3f}, no higher than it started, so "
+                "there is no level to race to (no ratio)"
+            )
             continue
         reached = "never" if e["mapo_episodes"] is None else f"after {e['mapo_episodes']}"
         parts.append(

@@ -69,6 +69,10 @@ def test_efficiency_is_mapos_episodes_to_grpos_final_level():
     assert e["mapo_episodes"] == 100 and e["ratio"] == pytest.approx(1 / 3)
     never = demo.efficiency(grpo, mapo_)  # the other way round: GRPO never gets to 0.90
     assert never["mapo_episodes"] is None and never["ratio"] is None
+    flat = pl.DataFrame({"episodes": [0, 100, 200], "value": [0.84, 0.86, 0.82]})
+    e = demo.efficiency(mapo_, flat)  # GRPO ended below its start: nothing to race to
+    assert e["improved"] is False and e["ratio"] is None and e["mapo_episodes"] == 100
+    assert "no higher than it started" in demo.efficiency_text({0: e}, None, "long")
     assert demo._median([0.3, None, 0.5]) == 0.5 and demo._median([None]) is None
 
 
