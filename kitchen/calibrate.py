@@ -714,6 +714,8 @@ def grm_calibrate_main(
     report = agreement(greedy, refs)
     report.by_source = _by_source(greedy, refs, sources)
     command = f"kitchen grm calibrate --n {n} --votes {votes} --perturb {perturb}"
+    if list(temperatures) != [0.3, 0.7, 1.0]:
+        command += f" --temperatures {','.join(f'{t:g}' for t in temperatures)}"
     command += f" --grm {grm}" if grm else ""
     command += f" --cascade {','.join(cascade)}" if cascade else ""
     report.command = command
