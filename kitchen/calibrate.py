@@ -604,6 +604,9 @@ def grm_train_main(recipe_path: str | os.PathLike, *, resume: bool = False) -> i
 # --------------------------------------------------------------------------------------------
 # `kitchen grm calibrate`
 
+#: The temperatures `kitchen grm calibrate` votes at unless told otherwise.
+TEMPERATURES = (0.3, 0.7, 1.0)
+
 #: The targets `kitchen grm calibrate` checks (docs/method.md#grm-calibration).
 TARGETS = {
     "decided agreement": 0.95,
@@ -666,7 +669,7 @@ def grm_calibrate_main(
     out: str | None = None,
     *,
     seed: int = 4242,
-    temperatures: Sequence[float] = (0.3, 0.7, 1.0),
+    temperatures: Sequence[float] = TEMPERATURES,
     policy: str | None = "data/models/policy-tiny",
     perturb: int = 24,
     cascade: Sequence[str] = (),
@@ -714,7 +717,7 @@ def grm_calibrate_main(
     report = agreement(greedy, refs)
     report.by_source = _by_source(greedy, refs, sources)
     command = f"kitchen grm calibrate --n {n} --votes {votes} --perturb {perturb}"
-    if list(temperatures) != [0.3, 0.7, 1.0]:
+    if tuple(temperatures) != TEMPERATURES:
         command += f" --temperatures {','.join(f'{t:g}' for t in temperatures)}"
     command += f" --grm {grm}" if grm else ""
     command += f" --cascade {','.join(cascade)}" if cascade else ""

@@ -142,7 +142,7 @@ def _grm_train(args: argparse.Namespace) -> int:
 
 
 def _grm_calibrate(args: argparse.Namespace) -> int:
-    from kitchen.calibrate import grm_calibrate_main
+    from kitchen.calibrate import TEMPERATURES, grm_calibrate_main
 
     return grm_calibrate_main(
         grm=args.grm,
@@ -150,7 +150,7 @@ def _grm_calibrate(args: argparse.Namespace) -> int:
         votes=args.votes,
         labels=args.labels,
         out=args.out,
-        temperatures=args.temperatures,
+        temperatures=args.temperatures or TEMPERATURES,
         perturb=args.perturb,
         cascade=args.cascade,
         seed=args.seed,
@@ -338,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--temperatures",
         type=_temperatures,
-        default=[0.3, 0.7, 1.0],
-        help="temperatures to vote at (default 0.3,0.7,1.0)",
+        default=None,
+        help="temperatures to vote at (default: calibrate.TEMPERATURES, 0.3,0.7,1.0)",
     )
     p.add_argument(
         "--perturb",
