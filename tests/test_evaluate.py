@@ -116,6 +116,23 @@ def test_format_report_has_one_column_per_policy_played():
     assert any(line.strip().startswith("T3") for line in lines)
 
 
+def unplayed(split: str, n: int, constitution) -> tuple[list, list]:
+    """(trajectories, personal constitutions) of `n` jobs of `split` that ended before their
+    first turn (the context rule), each with its outcome."""
+    from kitchen.jobs import pair_jobs
+    from kitchen.world import World
+
+    trajs, pcs = [], []
+    for task, pc, diner in pair_jobs(split, n, 0, constitution):
+        w = World()
+        w.reset(task, pc.dimensions, profile=pc.profile, diner=diner)
+        w.traj.done, w.traj.end = True, "context"
+        w.traj.outcome = w.outcome(w.traj)
+        trajs.append(w.traj)
+        pcs.append(pc)
+    return trajs, pcs
+
+
 def test_metrics_of_nothing_are_nan_and_print_no_data(concierge):
     """Episodes that ended before their first turn: no compliance (NaN, not the 1.0 of an empty
     set), no valid-action or truncation share; their judged score counts compliance 0; an
@@ -123,17 +140,8 @@ def test_metrics_of_nothing_are_nan_and_print_no_data(concierge):
     import math
 
     from kitchen.evaluate import json_ready, mean, show
-    from kitchen.jobs import pair_jobs
-    from kitchen.world import World
 
-    trajs, pcs = [], []
-    for task, pc, diner in pair_jobs("heldout", 2, 0, concierge):
-        w = World()
-        w.reset(task, pc.dimensions, profile=pc.profile, diner=diner)
-        w.traj.done, w.traj.end = True, "context"
-        w.traj.outcome = w.outcome(w.traj)
-        trajs.append(w.traj)
-        pcs.append(pc)
+    trajs, pcs = unplayed("heldout", 2, concierge)
     assert math.isnan(compliance(judge(trajs[0], pcs[0]), pcs[0]))
     rep = policy_report(trajs, pcs)
     assert rep.episodes == 2 and rep.success == 0.0

@@ -445,22 +445,15 @@ def test_metrics_of_an_iteration_without_a_turn_are_nan(concierge):
     import math
 
     from kitchen.buffer import BufferConfig, ReplayBuffer
-    from kitchen.jobs import pair_jobs
     from kitchen.judge import judge
     from kitchen.review import Review
     from kitchen.rollout import RolloutStats
     from kitchen.train import Iteration, RewardConfig, episode_rewards, iteration_metrics
     from kitchen.train import step_samples as make_samples
-    from kitchen.world import World
 
-    trajs, pcs = [], []
-    for task, pc, diner in pair_jobs("train", 2, 0, concierge):
-        w = World()
-        w.reset(task, pc.dimensions, profile=pc.profile, diner=diner)
-        w.traj.done, w.traj.end = True, "context"
-        w.traj.outcome = w.outcome(w.traj)
-        trajs.append(w.traj)
-        pcs.append(pc)
+    from .test_evaluate import unplayed
+
+    trajs, pcs = unplayed("train", 2, concierge)
     judged = [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
     grm = [
         Review(
