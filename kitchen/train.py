@@ -1329,7 +1329,9 @@ def cook(
             raise KitchenError(problems)
     # a crash after the last checkpoint may have left rows of later iterations in the logs
     _truncate_log(run.folder / "samples.jsonl", run.iteration)
-    _truncate_log(run.folder / "eval.jsonl", run.iteration, inclusive=True)
+    _truncate_log(run.folder / "eval.jsonl", run.iteration, inclusive=run.iteration > 0)
+    if r.eval_every and run.iteration == 0:  # the starting policy: where held-out curves begin
+        run.evaluate()
     bar = tqdm(
         total=r.train.iterations,
         initial=run.iteration,

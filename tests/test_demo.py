@@ -11,6 +11,7 @@ import yaml
 
 from kitchen import demo, mapo, paths
 from kitchen.config import KitchenError
+from kitchen.files import read_jsonl
 from kitchen.train import Recipe, load_recipe
 
 
@@ -118,6 +119,8 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir):
             assert r["guarded"]["axiom_violations"] <= r["axiom_violations"]
             assert {g["clause"] for g in r["groups"]} == {"T3", "T4", "T6"}
         assert pl.read_parquet(runs_dir / name / "metrics.parquet").height == 2
+        # the held-out curve starts at the SFT policy (iteration 0), then every eval_every
+        assert [r["iteration"] for r in read_jsonl(runs_dir / name / "eval.jsonl")] == [0, 1, 2]
     a, b = (
         load_recipe(runs_dir / n / "recipe.yaml").model_dump() for n in ("demo-mapo", "demo-grpo")
     )
