@@ -42,6 +42,7 @@ curves leave such points out.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -128,6 +129,26 @@ def _state(folder: Path, doc: dict[str, Any]) -> str:
     return "done" if done else "partial"
 
 
+def models_digest(doc: dict[str, Any]) -> dict[str, str]:
+    """{model folder: sha256 of its weights} for the policy and GRM a recipe names (folders on
+    disk only): a finished run is reused only while the models it was trained on are unchanged —
+    a retrained GRM or policy installed under the same path makes the old runs stale."""
+    import hashlib
+
+    out = {}
+    for path in (doc.get("policy", {}).get("path"), (doc.get("grm") or {}).get("model")):
+        folder = Path(path) if path else None
+        if folder is not None and not folder.is_absolute():
+            folder = paths.HOME / folder
+        if folder is None or not folder.is_dir():
+            continue
+        h = hashlib.sha256()
+        for f in sorted(folder.glob("*.safetensors")):
+            h.update(f.read_bytes())
+        out[str(path)] = h.hexdigest()[:16]
+    return out
+
+
 def cook_side_by_side(
     recipes: dict[str, dict[str, Any]], out: Path, progress: bool = True, parallel: int = 2
 ) -> dict[str, Path]:
@@ -139,6 +160,10 @@ def cook_side_by_side(
         rpath = out / f"{name}.yaml"
         atomic_write_text(rpath, yaml.safe_dump(doc, sort_keys=False))
         state = _state(folders[name], doc)
+        digest, models = out / f"{name}.models.json", models_digest(doc)
+        if state != "new" and (not digest.exists() or json.loads(digest.read_text()) != models):
+            state = "new"  # trained on other weights than the ones installed now
+        atomic_write_json(digest, models)
         if state == "done":
             continue
         if state == "new" and folders[name].exists():

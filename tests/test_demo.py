@@ -95,6 +95,23 @@ def test_run_state_reuses_only_a_run_of_the_same_recipe(tmp_path):
     assert demo._state(folder, doc) == "done"
 
 
+def test_a_retrained_model_under_the_same_path_makes_old_runs_stale(tmp_path):
+    """`models_digest` fingerprints the weights of the policy and GRM a recipe names, so a run
+    trained before a new GRM was installed under the same path is not reused."""
+    doc = demo.arms(iterations=1)["demo-mapo"]
+    grm = tmp_path / "grm"
+    grm.mkdir()
+    (grm / "model.safetensors").write_bytes(b"first weights")
+    doc["grm"]["model"] = str(grm)
+    before = demo.models_digest(doc)
+    assert set(before) == {doc["policy"]["path"], str(grm)}
+    assert demo.models_digest(doc) == before
+    (grm / "model.safetensors").write_bytes(b"retrained weights")
+    after = demo.models_digest(doc)
+    assert after[str(grm)] != before[str(grm)]
+    assert after[doc["policy"]["path"]] == before[doc["policy"]["path"]]
+
+
 def test_a_failed_training_run_is_reported_with_its_log(tmp_path, runs_dir):
     doc = demo.arms(iterations=1)["demo-grpo"]
     doc["policy"]["path"] = str(tmp_path / "no-such-model")
