@@ -8,7 +8,10 @@ violations caught). This module builds data where every (clause, verdict) cell i
 
 1. **Sources** (`pool`): dialogues of the scripted agents (`kitchen.scripted`: the clause
    breaker, the generic cold-start agent, the ideal agent) and, when given, rollouts of the SFT
-   policy — the text the GRM will review during RL. Training tasks and profiles only.
+   policy — the text the GRM will review during RL. Training tasks and profiles only — and, with
+   `variants`, synthetic diners drawn around the training profiles (their dimensions redrawn,
+   never a held-out diner's allergy set): eighteen diners hold only three two-allergy sets, and a
+   reviewer trained on them alone learns those sets instead of reading the diner's list.
 2. **Near misses** (`near_miss`): one turn of a dialogue edited so that a verdict hinges on one
    detail — a message padded or cut to exactly the word limit or one word past it, a dish swapped
    for another one allergen away (or one no search returned, or one the diner refused earlier),
@@ -511,12 +514,14 @@ def pool(
     near_misses: float = 0.0,
     adversarial_share: float = 0.0,
     long_share: float | None = None,
+    variants: float = 0.0,
 ) -> list[Example]:
     """`n` scripted dialogues of `split` shared among the agents of `mix`, plus the policy
     samples given, each edited into a near miss with probability `near_misses` or given an
     attack or rewording of the split's half of the corpus with probability `adversarial_share`.
     A near-miss dialogue gets one to three edits (on turns drawn independently), since one
-    dialogue holds many passes of a clause for each violation. Sources read `grm`, `sft`,
+    dialogue holds many passes of a clause for each violation. `variants` of the scripted
+    dialogues have a synthetic diner (`kitchen.jobs.pair_jobs`). Sources read `grm`, `sft`,
     `ideal`, `policy`, with `+<edit>` for each kind of edit made."""
     from kitchen.scripted import GRM_QUIRKS, IDEAL_QUIRKS, SFT_QUIRKS, episodes
 
@@ -527,6 +532,8 @@ def pool(
     counts[0] += n - sum(counts)
     base: list[Example] = []
     extra = {} if long_share is None else {"long_share": long_share}
+    if variants:
+        extra["variants"] = variants
     for j, (name, k) in enumerate(zip(names, counts, strict=True)):
         eps = episodes(k, split=split, seed=seed * 31 + j, quirks=agents[name], **extra)
         base += [(t, pc, name) for t, pc in eps]
@@ -612,6 +619,14 @@ class GRMDataSettings(StrictModel):
         description="Share of dialogues that fit one window rendered as the truncation rule "
         "renders long ones anyway (compact tool results, clipped messages, windows).",
     )
+    variants: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of scripted training dialogues played for a synthetic diner: a "
+        "training profile with its dimensions redrawn (kitchen.profile.variant), never a "
+        "held-out diner's allergy set. 0: the split's own profiles only.",
+    )
     policy: str | None = Field(
         None,
         description="A policy checkpoint whose rollouts on training tasks join the pool (e.g. "
@@ -684,6 +699,7 @@ def write_grm_data(
                 near_misses=s.near_misses,
                 adversarial_share=s.adversarial,
                 long_share=s.long_share,
+                variants=s.variants,
             )
         else:
             examples = pool(s.n_eval, split, s.seed + 1, s.mix, long_share=s.long_share)
@@ -774,9 +790,7 @@ def policy_episodes(
         return []
     model, tok = load_model(ModelSpec(path=policy)) if isinstance(policy, str) else policy
     k = 2
-    cfg = EvalConfig(tasks=-(-n // k), samples=k, seed=seed)
-    if "long_share" in EvalConfig.model_fields:
-        cfg = cfg.model_copy(update={"long_share": long_share})
+    cfg = EvalConfig(tasks=-(-n // k), samples=k, seed=seed, long_share=long_share)
     jobs = eval_jobs(cfg, split=split)
     trajs, _ = rollout(
         model,

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from kitchen import paths
 from kitchen.constitution import Constitution, PersonalConstitution, PersonalizationCache
-from kitchen.profile import Profile, redact
+from kitchen.profile import Profile, redact, variant
 from kitchen.world import Task, feasible, generate_tasks, load_menu, load_split
 
 Job = tuple[Task, PersonalConstitution, dict[str, Any]]
@@ -48,13 +48,17 @@ def pair_jobs(
     order: Literal["random", "rotate"] = "random",
     key: str = "pool",
     long_share: float = 0.0,
+    variants: float = 0.0,
 ) -> list[Job]:
     """`n` feasible jobs of one split, deterministic in (`key`, `seed`).
 
     `order="random"` draws a profile per task (a training pool); `"rotate"` takes the split's
     profiles in turn, so every held-out diner is evaluated about equally often. `long_share` of
     the tasks drawn are meals (`kitchen.world.generate_tasks`); a meal is feasible for a diner
-    when every course it asks for has a dish that fits.
+    when every course it asks for has a dish that fits. `variants` (training only) is the share
+    of jobs whose diner is a synthetic variant of the drawn profile (`kitchen.profile.variant`:
+    dimensions redrawn, never a held-out diner's allergy set): more diners than the split holds,
+    for data whose reader must learn to read a profile rather than remember eighteen.
     """
     from kitchen.profile import load_profiles
 
@@ -62,14 +66,34 @@ def pair_jobs(
     menu = load_menu()
     ids = set(load_split(split))
     profiles = [p for p in load_profiles(paths.PROFILES) if p.id in ids]
+    if variants and split != "train":
+        raise ValueError("variants: synthetic diners are for training data only")
+    avoid = unseen_allergy_sets() if variants else []
     rng = random.Random(f"{key}:{seed}")
     jobs: list[Job] = []
     for task in generate_tasks(n * 4, seed=seed, split=split, long_share=long_share):
         if len(jobs) == n:
             break
         p = rng.choice(profiles) if order == "random" else profiles[len(jobs) % len(profiles)]
+        if variants and rng.random() < variants:
+            p = variant(p, constitution, rng, avoid)
         pc = cache.get(constitution, p)
         diner = diner_values(pc, p)
         if feasible(menu, task, diner.get("allergies") or [], diner.get("diet") == "vegetarian"):
             jobs.append((task, pc, diner))
     return jobs
+
+
+def unseen_allergy_sets() -> list[frozenset[str]]:
+    """The held-out diners' allergy sets that no training diner holds: synthetic training diners
+    (`pair_jobs(variants=...)`) never get one, so evaluation still meets them first."""
+    from kitchen.profile import split_profiles
+
+    def sets(split: str) -> set[frozenset[str]]:
+        out = set()
+        for p in split_profiles(split):
+            a = p.dimensions.get("allergies")
+            out.add(frozenset(a.value if a is not None else []))
+        return out
+
+    return sorted(sets("heldout") - sets("train"), key=sorted)

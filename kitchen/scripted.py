@@ -490,13 +490,15 @@ def episodes(
     constitution: Any = None,
     max_turns: int | None = None,
     long_share: float = 0.0,
+    variants: float = 0.0,
 ) -> list[tuple[Trajectory, Any]]:
     """`n` scripted episodes on `split` tasks and profiles: [(trajectory, personal constitution)].
 
     Each task is paired with a profile of the same split for which it is feasible (an
     impossible request would only teach the agent to apologise). `long_share` of the tasks are
     meals, played with a budget of `LONG_MAX_TURNS` (short ones: `DEFAULT_MAX_TURNS`), unless
-    `max_turns` sets one for both.
+    `max_turns` sets one for both. `variants` of the diners are synthetic variants of training
+    profiles (`kitchen.jobs.pair_jobs`).
     """
     from kitchen import paths
     from kitchen.constitution import load_constitution
@@ -504,7 +506,9 @@ def episodes(
     from kitchen.world import DEFAULT_MAX_TURNS, LONG_MAX_TURNS
 
     c = constitution or load_constitution(paths.DEFAULT_CONSTITUTION)
-    jobs = pair_jobs(split, n, seed, c, key=f"pairs:{split}", long_share=long_share)
+    jobs = pair_jobs(
+        split, n, seed, c, key=f"pairs:{split}", long_share=long_share, variants=variants
+    )
     worlds = {
         "short": World(max_turns=max_turns or DEFAULT_MAX_TURNS),
         "long": World(max_turns=max_turns or LONG_MAX_TURNS),

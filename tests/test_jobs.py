@@ -46,3 +46,37 @@ def test_heldout_eval_jobs_with_meals(concierge):
     assert all(t.id.startswith("heldout") and pc.profile in held for t, pc, _ in jobs)
     assert any(t.kind == "long" for t, _, _ in jobs) and any(t.kind == "short" for t, _, _ in jobs)
     assert all(t.kind == "short" for t, _, _ in eval_jobs(EvalConfig(tasks=6), concierge))
+
+
+def test_synthetic_diners_read_as_new_profiles_and_never_hold_a_heldout_set(concierge):
+    """`variants`: a share of training jobs gets a synthetic diner — a pseudonym no training
+    profile has, dimensions from the constitution's values, many more allergy sets than the
+    eighteen training diners hold, none of the held-out sets no training diner has, and each job
+    still feasible. Without `variants` the pool is unchanged; evaluation refuses it."""
+    import pytest
+
+    from kitchen.jobs import unseen_allergy_sets
+
+    plain = pair_jobs("train", 80, seed=3, constitution=concierge, long_share=0.5)
+    assert plain == pair_jobs(
+        "train", 80, seed=3, constitution=concierge, long_share=0.5, variants=0.0
+    )
+    jobs = pair_jobs("train", 80, seed=3, constitution=concierge, long_share=0.5, variants=0.6)
+    train = {pseudonym(p) for p in load_split("train")}
+    synthetic = [(pc, d) for _, pc, d in jobs if pc.profile not in train]
+    assert 30 <= len(synthetic) <= 66
+    unseen = set(unseen_allergy_sets())
+    assert frozenset({"gluten", "soy"}) in unseen and frozenset() not in unseen
+    menu = load_menu()
+    sets = set()
+    for task, pc, diner in jobs:
+        allergies = frozenset(diner.get("allergies") or [])
+        assert allergies not in unseen or pc.profile in train
+        assert set(allergies) <= set(concierge.dimensions["allergies"].values)
+        assert diner["verbosity"] in concierge.dimensions["verbosity"].values
+        assert feasible(menu, task, sorted(allergies), diner.get("diet") == "vegetarian")
+        sets.add(allergies)
+    base_sets = {frozenset(d.get("allergies") or []) for _, _, d in plain}
+    assert len(sets) > len(base_sets) + 5
+    with pytest.raises(ValueError, match="training data only"):
+        pair_jobs("heldout", 5, seed=3, constitution=concierge, variants=0.5)

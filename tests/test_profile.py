@@ -140,3 +140,36 @@ def test_a_folder_of_profiles_that_cannot_work_is_a_located_error(tmp_path, monk
         split_profiles("heldout", folder)
     (data / "splits.yaml").write_text(yaml.safe_dump({"train_profiles": ["other"]}))
     assert [x.id for x in split_profiles("train", folder)] == ["other"]
+
+
+def test_a_variant_redraws_every_dimension_and_keeps_no_identifier(concierge):
+    """`variant`: every declared dimension gets a value the constitution allows (tags: 0-3
+    distinct values), a tag set in `avoid` is never drawn, the overrides stay, the PII goes,
+    and the id names its origin."""
+    import random
+
+    from kitchen.profile import Profile, variant
+
+    base = Profile(
+        id="nadia",
+        name="Nadia P",
+        phone="+7 912 345 67 89",
+        dimensions={"allergies": ["gluten", "dairy"], "verbosity": "detailed"},
+        overrides={"T6": {"params": {"min_words": 16}}},
+    )
+    rng = random.Random(0)
+    avoid = [frozenset({"peanut"}), frozenset({"gluten", "soy"})]
+    seen = set()
+    for _ in range(200):
+        v = variant(base, concierge, rng, avoid)
+        assert v.id.startswith("nadia~") and v.name is None and v.phone is None
+        assert v.overrides == base.overrides
+        assert set(v.dimensions) == set(concierge.dimensions)
+        tags = v.dimensions["allergies"].value
+        assert len(tags) == len(set(tags)) <= 3
+        assert frozenset(tags) not in avoid
+        for name, dim in concierge.dimensions.items():
+            if dim.kind == "category":
+                assert v.dimensions[name].value in dim.values
+        seen.add(frozenset(tags))
+    assert len(seen) > 40
