@@ -3,7 +3,7 @@
 The GRM reads a trajectory the way it happened and writes one review line after each agent turn:
 
     system     You review a food-ordering agent ...
-    user       <|constitution|> allergies=peanut clauses: A1 A2 ... T3(max_words=12) ...
+    user       <|constitution|> allergies: peanut; clauses: A1 A2 ... T3(max_words=12) ...
                request: I want thai food.
                t0 agent: @search thai
                t0 tool: returned Pad See Ew, Green Curry, Tofu Satay, ...
@@ -104,15 +104,18 @@ def sanitize(text: str) -> str:
 def render_constitution(pc: PersonalConstitution, mode: str = "compact") -> str:
     """The personal constitution in one line (`compact`: ids with parameters, for a tiny GRM) or
     one line per clause with its text (`full`, for chat models)."""
-    allergies = ",".join(pc.dimensions.get("allergies") or []) or "none"
+    allergies = pc.dimensions.get("allergies") or []
     if mode == "full":
         lines = [f"[{c.id}] {c.text}" for c in pc.clauses]
-        return f"diner allergies: {allergies}\n" + "\n".join(lines)
+        return f"diner allergies: {', '.join(allergies) or 'none'}\n" + "\n".join(lines)
     parts = []
     for c in pc.clauses:
         params = ",".join(f"{k}={v}" for k, v in c.params.items())
         parts.append(f"{c.id}({params})" if params else c.id)
-    return f"allergies={allergies} clauses: " + " ".join(parts)
+    # the allergies as separate words, as the review line's `avoid …` writes them: a tokenizer
+    # then gives both the same tokens, and copying them is the whole task (written `gluten,soy`,
+    # a pair the tokenizer had not merged read as `gluten , s oy`, and the GRM wrote `avoid gluten`)
+    return f"allergies: {' '.join(allergies) or 'none'}; clauses: " + " ".join(parts)
 
 
 def _clip(text: str, keep: int) -> str:

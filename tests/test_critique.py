@@ -83,6 +83,34 @@ def test_facts_name_the_allergen_hit_and_the_missing_check(dialogues):
     assert hits > 0 and unchecked > 0
 
 
+def test_the_header_writes_allergies_as_the_review_line_does(dialogues):
+    """The constitution header spells the diner's allergies exactly as the review line's
+    `avoid …` fact does (space-separated words), so the GRM's tokenizer gives both the same
+    tokens whatever the set: with `allergies=gluten,soy` a pair the tokenizer had not merged read
+    as `gluten , s oy`, and the shipped GRM wrote `avoid gluten` for that diner."""
+    from transformers import AutoTokenizer
+
+    from kitchen import paths
+    from kitchen.critique import render_constitution
+
+    tok = AutoTokenizer.from_pretrained(paths.DATA / "models" / "grm-tiny")
+    checked = 0
+    for traj, pc in dialogues[:60]:
+        header = render_constitution(pc)
+        for line in turn_facts(traj, pc).values():
+            avoid = re.search(r"; (avoid [^;]+);", line)
+            if avoid is None:
+                continue
+            words = avoid.group(1).removeprefix("avoid ")
+            assert f"allergies: {words};" in header
+            # the same word pieces in the header as in the line (after the leading word)
+            piece = tok.tokenize(f" {words};")
+            assert piece == tok.tokenize(header.split("allergies:")[1].split(" clauses")[0])
+            checked += 1
+            break
+    assert checked > 20
+
+
 def test_missing_and_garbled_lines_are_masked_not_zero():
     lines = ["t0 search thai; cuisine named => T5+", "t1 chat => A2+ T3?", None]
     r = parse_review(lines, turns=range(3), clauses=["A2", "T3", "T5"])
