@@ -539,6 +539,8 @@ def grm_train_main(recipe_path: str | os.PathLike, *, resume: bool = False) -> i
             )
         d = recipe.data
         start = time.perf_counter()
+        if d.policy and d.policy_samples:
+            print(f"playing {d.policy_samples} rollouts of {d.policy} (the text RL will show it)")
         samples = (
             policy_episodes(
                 str(_abs(d.policy)),
@@ -761,7 +763,7 @@ def grm_calibrate_main(
         judge_vs_human = agreement(
             [judge(t, pc) for t, pc in zip(lt, lpc, strict=True)], marks, name="human"
         )
-    goals = targets(deployed or report, moves)
+    goals = targets(report, moves)  # the GRM on its own, on every clause; the cascade beside it
     seconds = time.perf_counter() - start
 
     print(

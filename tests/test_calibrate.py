@@ -41,7 +41,11 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     assert recipe.sft.max_length <= tiny.max_positions
     sft = recipe.sft_recipe(paths.RUNS / "x")
     assert sft.data.train.endswith("x/data/train.jsonl") and sft.output_dir.endswith("x")
-    assert recipe.install == "data/models/grm-tiny"
+    assert recipe.install is None  # stage 1: stage 2 installs the shipped GRM
+    stage2 = load_grm_recipe(paths.RECIPES / "grm_tiny_diners.yaml")
+    assert stage2.install == "data/models/grm-tiny" and stage2.data.variants > 0
+    assert stage2.sft.model.base.path == f"runs/{recipe.output_dir}/final"  # continues stage 1
+    assert stage2.review == recipe.review
 
 
 @pytest.mark.parametrize(
