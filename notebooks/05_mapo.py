@@ -45,10 +45,10 @@ def _():
     import marimo as mo
     import polars as pl
 
-    from kitchen import charts, notebook
+    from kitchen import charts, notebook, paths
     from kitchen.mapo import PRESETS
     from kitchen.review import turn_rewards
-    from kitchen.train import AdvantageChoice, Recipe, Run
+    from kitchen.train import AdvantageChoice, Recipe, Run, load_recipe
     from kitchen.world import render_transcript
 
     # peft 0.21 asks transformers 5 for the deprecated `is_gradient_checkpointing` when it adds
@@ -60,8 +60,10 @@ def _():
         Recipe,
         Run,
         charts,
+        load_recipe,
         mo,
         notebook,
+        paths,
         pl,
         render_transcript,
         turn_rewards,
@@ -76,7 +78,9 @@ def _(mo):
     `grpo` is outcome-only (α = 0). `mapo` adds the step-level term from state groups backed by
     the buffer, with α growing on a schedule: global first, local later (a large local weight
     invites gaming the reviewer: [docs/method.md](../docs/method.md#reward-hacking)). The reviewer can be the GRM (the method) or
-    the rule judge (an oracle: what a perfect GRM would give).
+    the rule judge (an oracle: what a perfect GRM would give). The GRM is set up as in the main
+    job (`recipes/tiny_mapo.yaml`): it reviews every clause except the two word counts (T3, T6),
+    which code decides exactly — a cascade.
     """)
     return
 
@@ -133,16 +137,19 @@ def _(
     beta,
     iterations,
     k,
+    load_recipe,
     lr,
     max_turns,
     meals,
     mo,
     notebook,
+    paths,
     preset,
     reviewer,
     tasks,
 ):
     # The controls become a recipe: the same object `kitchen cook RECIPE` reads from YAML.
+    _main = load_recipe(paths.RECIPES / "tiny_mapo.yaml")  # the main job's GRM settings
     _overrides = {"beta": beta.value}
     if preset.value == "mapo":
         _overrides["alpha"] = {
@@ -154,6 +161,7 @@ def _(
     recipe = Recipe(
         name=f"nb05-{preset.value}",
         advantage=AdvantageChoice(preset=preset.value, overrides=_overrides),
+        grm=_main.grm,
         reward={"reviewer": reviewer.value},
         rollout={"k": k.value, "max_turns": max_turns.value, "long_max_turns": 24},
         train={

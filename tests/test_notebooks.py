@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from kitchen.train import load_recipe
+
 from .conftest import ROOT
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -100,6 +102,8 @@ def test_05_mapo_values():
     metrics, run, browser = defs["metrics"], defs["run"], defs["browser"]
     recipe, held = defs["recipe"], defs["held"]
     assert recipe.advantage.resolve().name == "mapo" and recipe.reward.reviewer == "grm"
+    main = load_recipe(ROOT / "recipes" / "tiny_mapo.yaml")
+    assert recipe.grm == main.grm and set(recipe.grm.cascade) == {"T3", "T6"}  # as the main job
     assert recipe.train.long_share > 0 and recipe.eval.long_share > 0  # meals: credit assignment
     assert metrics.height == recipe.train.iterations == run.iteration
     # the held-out curve: before the first update and after the last, by the rule judge
