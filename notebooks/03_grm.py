@@ -29,7 +29,8 @@ def _(mo):
 
     Because the rules are part of the *input*, one GRM serves every diner's constitution. The
     tiny GRM in `data/models/grm-tiny` was trained from scratch by
-    `kitchen grm train recipes/grm_tiny.yaml` on reviews the rule judge wrote — balanced so every
+    `kitchen grm train recipes/grm_tiny.yaml`, then continued on synthetic diners by
+    `recipes/grm_tiny_diners.yaml`, on reviews the rule judge wrote — balanced so every
     clause's violations are well represented, with near misses and attacks
     ([docs/method.md](../docs/method.md#grm-training)). This notebook reads one review, measures
     the GRM against the judge clause by clause, tries to fool it, lets you label verdicts
