@@ -295,6 +295,7 @@ def variant(
     Why (docs/method.md#grm-training): eighteen training diners hold only three two-allergy
     combinations, and a reviewer trained on them learns the combinations, not to read the list
     (the tiny GRM wrote `avoid gluten` for a gluten-and-soy diner and missed its soy dishes)."""
+    banned = set(avoid)
     dims: dict[str, DimensionValue] = {}
     for name, dim in constitution.dimensions.items():
         if dim.kind == "category":
@@ -303,7 +304,7 @@ def variant(
             while True:
                 k = rng.choices(range(len(TAG_COUNTS)), weights=TAG_COUNTS)[0]
                 value = sorted(rng.sample(dim.values, min(k, len(dim.values))))
-                if frozenset(value) not in set(avoid):
+                if frozenset(value) not in banned:
                     break
         else:
             value = rng.uniform(dim.min, dim.max)
