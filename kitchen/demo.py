@@ -75,7 +75,7 @@ from kitchen.evaluate import (
 from kitchen.files import atomic_write_json, atomic_write_text, read_jsonl
 from kitchen.models import ModelSpec, load_model
 from kitchen.report import Section, run_sections, write_html
-from kitchen.train import Recipe, latest_checkpoint, load_recipe, load_run_policy
+from kitchen.train import Recipe, _home, latest_checkpoint, load_recipe, load_run_policy
 from kitchen.world import render_transcript
 
 METHODS = {"mapo": None, "grpo": "grpo"}  # method → the recipe's compare arm (None: itself)
@@ -137,9 +137,7 @@ def models_digest(doc: dict[str, Any]) -> dict[str, str]:
 
     out = {}
     for path in (doc.get("policy", {}).get("path"), (doc.get("grm") or {}).get("model")):
-        folder = Path(path) if path else None
-        if folder is not None and not folder.is_absolute():
-            folder = paths.HOME / folder
+        folder = Path(_home(path)) if path else None  # where the run loads it from
         if folder is None or not folder.is_dir():
             continue
         h = hashlib.sha256()
