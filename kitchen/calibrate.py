@@ -539,10 +539,10 @@ def grm_train_main(recipe_path: str | os.PathLike, *, resume: bool = False) -> i
             )
         d = recipe.data
         start = time.perf_counter()
+        samples = []
         if d.policy and d.policy_samples:
             print(f"playing {d.policy_samples} rollouts of {d.policy} (the text RL will show it)")
-        samples = (
-            policy_episodes(
+            samples = policy_episodes(
                 str(_abs(d.policy)),
                 d.policy_samples,
                 "train",
@@ -550,9 +550,6 @@ def grm_train_main(recipe_path: str | os.PathLike, *, resume: bool = False) -> i
                 d.policy_temperature,
                 d.long_share,
             )
-            if d.policy and d.policy_samples
-            else []
-        )
         timings["policy_samples_s"] = time.perf_counter() - start
         labels = load_labels(_abs(d.labels)) if d.labels else None
         stats = write_grm_data(data_dir, d, recipe.review, samples, labels)

@@ -532,10 +532,10 @@ def pool(
     counts[0] += n - sum(counts)
     base: list[Example] = []
     extra = {} if long_share is None else {"long_share": long_share}
-    if variants:
-        extra["variants"] = variants
     for j, (name, k) in enumerate(zip(names, counts, strict=True)):
-        eps = episodes(k, split=split, seed=seed * 31 + j, quirks=agents[name], **extra)
+        eps = episodes(
+            k, split=split, seed=seed * 31 + j, quirks=agents[name], variants=variants, **extra
+        )
         base += [(t, pc, name) for t, pc in eps]
     base += [(t, pc, "policy") for t, pc in policy_samples]
     rng = random.Random(f"pool:{split}:{seed}")
