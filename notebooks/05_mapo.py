@@ -51,6 +51,8 @@ def _():
     from kitchen.train import AdvantageChoice, Recipe, Run, load_recipe
     from kitchen.world import render_transcript
 
+    main_grm = load_recipe(paths.RECIPES / "tiny_mapo.yaml").grm  # the main job's GRM settings
+
     # peft 0.21 asks transformers 5 for the deprecated `is_gradient_checkpointing` when it adds
     # the policy's LoRA adapter: a FutureWarning about the libraries, not about this notebook.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
@@ -60,10 +62,9 @@ def _():
         Recipe,
         Run,
         charts,
-        load_recipe,
+        main_grm,
         mo,
         notebook,
-        paths,
         pl,
         render_transcript,
         turn_rewards,
@@ -137,19 +138,17 @@ def _(
     beta,
     iterations,
     k,
-    load_recipe,
     lr,
+    main_grm,
     max_turns,
     meals,
     mo,
     notebook,
-    paths,
     preset,
     reviewer,
     tasks,
 ):
     # The controls become a recipe: the same object `kitchen cook RECIPE` reads from YAML.
-    _main = load_recipe(paths.RECIPES / "tiny_mapo.yaml")  # the main job's GRM settings
     _overrides = {"beta": beta.value}
     if preset.value == "mapo":
         _overrides["alpha"] = {
@@ -161,7 +160,7 @@ def _(
     recipe = Recipe(
         name=f"nb05-{preset.value}",
         advantage=AdvantageChoice(preset=preset.value, overrides=_overrides),
-        grm=_main.grm,
+        grm=main_grm,
         reward={"reviewer": reviewer.value},
         rollout={"k": k.value, "max_turns": max_turns.value, "long_max_turns": 24},
         train={
