@@ -799,6 +799,7 @@ def policy_episodes(
         RolloutConfig(k=k, temperature=temperature, max_turns=24),
         seed=seed,
         group_prefix=f"policy-{split}-{seed}:",
+        progress=f"policy rollouts ({split})",
     )
     pcs = [pc for _, pc, _ in jobs for _ in range(k)]
     return list(zip(trajs, pcs, strict=True))[:n]

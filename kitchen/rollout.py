@@ -223,6 +223,7 @@ def rollout(
     menu: Menu | None = None,
     group_prefix: str = "",
     guard: Callable[[PersonalConstitution], Any] | None = None,
+    progress: str | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """Play `cfg.k` episodes for each (task, personal constitution, diner values) job.
 
@@ -230,8 +231,11 @@ def rollout(
     Sampling is seeded (`seed`; on the fast path also each episode's job and sample index, the
     turn and the guard attempt), so a resumed run replays the same episodes. `guard(pc)` (e.g. `AxiomGuard`) checks
     every action before the diner sees it; blocked actions are regenerated, a fallback turn is
-    marked `guarded` and never trained on.
+    marked `guarded` and never trained on. `progress` (a description) shows a bar of finished
+    episodes.
     """
+    from tqdm.auto import tqdm
+
     from kitchen.engine import fallback_reason, lora_merged
 
     cfg = cfg or RolloutConfig()
@@ -263,20 +267,26 @@ def rollout(
     start = time.perf_counter()
     was_training = model.training
     model.eval()
+    bar = tqdm(total=len(worlds), desc=progress, unit="episode", disable=progress is None)
+
+    def finished() -> None:  # the bar follows the episodes that have ended
+        bar.update(sum(w.traj.done for w in worlds) - bar.n)
+
     try:
         if stats.engine == "fast":
             with lora_merged(model) as merged:
                 stats.extra["engine/lora_merged"] = merged
-                _play_fast(model, tokenizer, worlds, guards, names, cfg, stats, seed)
+                _play_fast(model, tokenizer, worlds, guards, names, cfg, stats, seed, finished)
         else:
-            _play_generate(model, tokenizer, worlds, guards, cfg, stats, seed)
+            _play_generate(model, tokenizer, worlds, guards, cfg, stats, seed, finished)
     finally:
         model.train(was_training)
+        bar.close()
     stats.seconds = time.perf_counter() - start
     return [w.traj for w in worlds], stats
 
 
-def _play_fast(model, tok, worlds, guards, names, cfg, stats, seed) -> None:
+def _play_fast(model, tok, worlds, guards, names, cfg, stats, seed, finished) -> None:
     """The fast path: every episode is a row of one engine batch for the whole rollout; a turn
     that ends goes to its world (and guard) at once, and the episode's next turn is queued."""
     from kitchen.engine import Engine, Request, SamplingParams
@@ -307,9 +317,13 @@ def _play_fast(model, tok, worlds, guards, names, cfg, stats, seed) -> None:
     def on_done(i: int, c: Any) -> tuple[list[int], int] | None:
         text = tok.decode(c.tokens, skip_special_tokens=True)
         stats.tokens += len(c.tokens)
-        if _take(worlds[i], guards[i], attempts[i], c.tokens, text, c.logprobs, c.truncated, stats):
-            return next_turn(i)
-        return next_turn(i, attempts[i] + 1)
+        taken = _take(
+            worlds[i], guards[i], attempts[i], c.tokens, text, c.logprobs, c.truncated, stats
+        )
+        nxt = next_turn(i) if taken else next_turn(i, attempts[i] + 1)
+        if nxt is None:
+            finished()
+        return nxt
 
     requests = []
     for i in range(len(worlds)):
@@ -317,6 +331,7 @@ def _play_fast(model, tok, worlds, guards, names, cfg, stats, seed) -> None:
         if first is not None:
             requests.append(Request(i, *first))
     engine.serve(requests, params, on_done, tokenizer=tok)
+    finished()
     stats.prefill_tokens += engine.stats.prefill_tokens
     stats.extra |= {
         "engine/prefill_real": engine.stats.prefill_real,
@@ -327,7 +342,7 @@ def _play_fast(model, tok, worlds, guards, names, cfg, stats, seed) -> None:
     }
 
 
-def _play_generate(model, tok, worlds, guards, cfg, stats, seed) -> None:
+def _play_generate(model, tok, worlds, guards, cfg, stats, seed, finished) -> None:
     """The generate path: the live episodes re-packed into batches every turn."""
     for turn in range(max(cfg.max_turns, cfg.long_max_turns)):
         live = [i for i, w in enumerate(worlds) if not w.traj.done]
@@ -337,6 +352,7 @@ def _play_generate(model, tok, worlds, guards, cfg, stats, seed) -> None:
             rows = live[b : b + cfg.batch_size]
             sampler = _generate_sampler(model, tok, cfg, seed * 7919 + turn * 131 + b)
             _play_turn(model, tok, worlds, guards, rows, cfg, stats, sampler)
+        finished()
 
 
 # A sampler: (episode indices, their prompt ids, guard attempt, stats) -> one candidate each

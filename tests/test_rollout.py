@@ -74,6 +74,19 @@ def test_an_episode_plays_the_same_alone_as_in_its_batch(policy, jobs):
     assert [t.outcome for t in together] == [t.outcome for t in alone]
 
 
+@pytest.mark.parametrize("engine", ["fast", "generate"])
+def test_progress_bar_counts_every_finished_episode(policy, jobs, engine, capsys):
+    """`progress=` shows a bar of finished episodes that ends at the number played, on both
+    paths; without it nothing is printed."""
+    model, tok = policy
+    cfg = CFG.model_copy(update={"engine": engine, "k": 2, "max_turns": 3})
+    rollout(model, tok, jobs, cfg, seed=2, progress="playing")
+    err = capsys.readouterr().err
+    assert "playing" in err and f"{2 * len(jobs)}/{2 * len(jobs)}" in err
+    rollout(model, tok, jobs, cfg, seed=2)
+    assert "playing" not in capsys.readouterr().err
+
+
 def test_greedy_rollouts_equal_the_generate_path(policy, jobs):
     """At a temperature so low that sampling is argmax, the fast path and `generate` play the same
     episodes: same tokens, texts and truncation flags, log-probs within 1e-4."""
