@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt 2>/dev/nu
 # The CPU wheel of torch lies on these machines' disk; an unpinned torch would pull a CUDA build.
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
+# `make test` runs the suite on this many pytest-xdist workers, one torch thread each (tests/conftest.py)
+TEST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
 .PHONY: help install demo test test-slow test-gpu gpu-check gpu-wheels test-verl test-browser bench ipynb nbval lint format check-notebooks schema clean
@@ -31,8 +33,8 @@ install: $(STAMP) ## create .venv and install the kit with its dev and qlora ext
 demo: $(STAMP) ## set up, then run the main job end to end
 	$(VENV)/bin/kitchen demo
 
-test: $(STAMP) lint check-notebooks ## set up, then lint, check notebooks, run the whole test suite, then the verl tests
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: $(STAMP) lint check-notebooks ## set up, then lint, check notebooks, run the whole test suite (2 workers), then the verl tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-verl
 
 test-slow: $(STAMP) ## run the slow tests too (long training; not in CI)

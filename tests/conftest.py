@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+# Under pytest-xdist (`make test` runs two workers on the 2-core machines) each worker, and every
+# subprocess it starts, gets one torch thread: two tests side by side then use the two cores
+# without oversubscribing them (the tiny models gain little from a second thread).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 import pytest
 
