@@ -111,6 +111,52 @@ def test_the_header_writes_allergies_as_the_review_line_does(dialogues):
     assert checked > 20
 
 
+def _tag_pieces(user: str, turn: int) -> list[str]:
+    """The `; `-separated pieces of agent turn `turn`'s tag in a review message ([] untagged)."""
+    agent = next(ln for ln in user.splitlines() if ln.startswith(f"t{turn} agent"))
+    if not agent.startswith(f"t{turn} agent ("):
+        return []
+    return agent.removeprefix(f"t{turn} agent (").split("): ", 1)[0].split("; ")
+
+
+def _history(pieces: list[str], dish: str) -> str:
+    """The conversation facts of `dish`'s card: the first piece after `<dish>: …` that starts
+    with `returned` or `not returned`."""
+    at = next(i for i, p in enumerate(pieces) if p.startswith(f"{dish}: "))
+    return next(p for p in pieces[at:] if p.startswith(("returned", "not returned")))
+
+
+def test_a_turn_naming_a_dish_carries_the_facts_its_line_copies(dialogues):
+    """The tag of an agent turn that recommends or orders a dish holds, in the review line's own
+    words, the facts the line states about it — the diner's `avoid …` list (A1), `returned` (A3),
+    `checked` (T1), `refused before` (A4) — and `vegetarian diner` exactly where T7 applies: the
+    GRM copies them from beside the turn instead of from the header or an earlier turn."""
+    counts: Counter = Counter()
+    for traj, pc in dialogues:
+        users = review_turns(traj, pc)
+        for t, line in turn_facts(traj, pc).items():
+            if not re.match(r"(recommend|order) ", line):
+                continue
+            facts = line.split("; ")
+            dish = facts[0].split(" ", 1)[1]
+            pieces = _tag_pieces(users[t], t)
+            avoid = next(f for f in facts if f.startswith("avoid "))
+            assert avoid in pieces, (pieces, line)
+            history = _history(pieces, dish).split()
+            missing = [f.removesuffix(" not returned") for f in facts if f.endswith("not returned")]
+            assert (history[0] == "not") == (dish in missing), (pieces, line)
+            for named in missing:
+                assert _history(pieces, named).startswith("not returned")
+            assert ("unchecked" in history) == ("unchecked" in facts)
+            assert ("before" in history) == ("refused before" in facts)
+            assert ("vegetarian diner" in pieces) == ("T7" in pc.ids)
+            counts["T7" in pc.ids] += 1
+            counts["missing"] += bool(missing)
+            counts["refused"] += "refused before" in facts
+    assert counts[True] > 10 and counts[False] > 10
+    assert counts["missing"] > 0 and counts["refused"] > 0
+
+
 def test_missing_and_garbled_lines_are_masked_not_zero():
     lines = ["t0 search thai; cuisine named => T5+", "t1 chat => A2+ T3?", None]
     r = parse_review(lines, turns=range(3), clauses=["A2", "T3", "T5"])
