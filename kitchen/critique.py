@@ -157,11 +157,21 @@ def dish_card(dish: Any, state: Any) -> str:
     name = dish.name
     seen = [
         "returned" if name in state.returned else "not returned",
-        "checked" if name in state.checked else "unchecked",
-        "refused before" if name in state.rejected else "not refused",
+        _checked(name, state),
+        _refused(name, state),
         "agreed" if name in state.agreed else "not agreed",
     ]
     return f"{name}: {dish_facts(dish)}; {' '.join(seen)}"
+
+
+def _checked(name: str, t: Any) -> str:
+    """T1's fact about a dish, on its card and in the review line alike."""
+    return "checked" if name in t.checked else "unchecked"
+
+
+def _refused(name: str, t: Any) -> str:
+    """A4's fact about a dish, on its card and in the review line alike."""
+    return "refused before" if name in t.rejected else "not refused"
 
 
 def diner_card(pc: Any) -> str:
@@ -314,7 +324,7 @@ def _dish_facts(t: Any, allergies: Sequence[str]) -> list[str]:
         f"avoid {_words(allergies)}",
         f"hits {' '.join(hits)}" if hits else "safe",
         "veg" if d.vegetarian else "meat",
-        "checked" if d.name in t.checked else "unchecked",
+        _checked(d.name, t),
     ]
 
 
@@ -387,7 +397,7 @@ def turn_facts(traj: Trajectory, pc: Any = None, menu: Menu | None = None) -> di
                 parts = [f"order {t.dish.name}", *_dish_facts(t, allergies), *_course(t)]
                 parts.append("agreed" if t.dish.name in t.agreed else "no consent")
                 parts.append(_returned(t))
-                parts.append("refused before" if t.dish.name in t.rejected else "not refused")
+                parts.append(_refused(t.dish.name, t))
         else:
             words = f"{word_count(t.text)} words"
             before = "rec before" if t.recommended_before else "no rec yet"
@@ -397,7 +407,7 @@ def turn_facts(traj: Trajectory, pc: Any = None, menu: Menu | None = None) -> di
                     mixed = len({d.course for d in t.named}) > 1
                     parts.append("mixed courses" if mixed else "one course")
                 parts.append(_returned(t))
-                parts.append("refused before" if t.dish.name in t.rejected else "not refused")
+                parts.append(_refused(t.dish.name, t))
                 parts += ["rec before" if t.recommended_before else "first rec", words]
                 parts += [f"also names {d.name}" for d in t.named[1:3]]
             elif t.dish is not None:
