@@ -406,11 +406,12 @@ def evaluate(
     *,
     with_guard: bool = True,
     rollout_cfg: Any = None,
+    progress: bool = False,
 ) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
     """Play the held-out set with `policy` (model, tokenizer), and `baseline` on the same seeds.
 
     Returns the report and the trajectories by name ("policy", "baseline", "guarded") for charts
-    and side-by-side dialogues.
+    and side-by-side dialogues. `progress` shows a bar of finished episodes per policy played.
     """
     from kitchen.guard import AxiomGuard
     from kitchen.rollout import RolloutConfig, rollout
@@ -422,10 +423,18 @@ def evaluate(
     jobs = eval_jobs(cfg)
     pcs = [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
     out: dict[str, list[Trajectory]] = {}
-    out["policy"], _ = rollout(*policy, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
+
+    def bar(name: str) -> str | None:
+        return f"held-out episodes ({name})" if progress else None
+
+    out["policy"], _ = rollout(
+        *policy, jobs, rcfg, seed=cfg.seed, group_prefix="eval:", progress=bar("policy")
+    )
     report = EvalReport(config=cfg, policy=policy_report(out["policy"], pcs))
     if baseline is not None:
-        out["baseline"], _ = rollout(*baseline, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
+        out["baseline"], _ = rollout(
+            *baseline, jobs, rcfg, seed=cfg.seed, group_prefix="eval:", progress=bar("baseline")
+        )
         report.baseline = policy_report(out["baseline"], pcs)
         report.win_rate = win_rate(
             judged_scores(out["policy"], pcs),
@@ -441,7 +450,13 @@ def evaluate(
             return guards[-1]
 
         out["guarded"], _ = rollout(
-            *policy, jobs, rcfg, seed=cfg.seed, group_prefix="eval:", guard=make
+            *policy,
+            jobs,
+            rcfg,
+            seed=cfg.seed,
+            group_prefix="eval:",
+            guard=make,
+            progress=bar("guarded"),
         )
         report.guarded = policy_report(out["guarded"], pcs)
         report.guarded.guard_interceptions = sum(len(g.log) for g in guards)
@@ -543,7 +558,7 @@ def eval_main(
     start = time.perf_counter()
     pol = load_model(ModelSpec(path=policy))
     base = load_model(ModelSpec(path=baseline)) if baseline else None
-    report, _ = evaluate(pol, cfg, base, with_guard=guard)
+    report, _ = evaluate(pol, cfg, base, with_guard=guard, progress=True)
     seconds = time.perf_counter() - start
     names = {"policy": policy}
     if baseline:

@@ -410,6 +410,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def _run_adapter(folder: Path) -> Path | None:
+    """The policy adapter a training run wrote, when `folder` is a run (`runs/<name>`: its newest
+    checkpoint) or one of its checkpoints (`runs/<name>/checkpoints/it-0012`); None otherwise."""
+    pointer = folder / "checkpoints" / "latest"
+    if pointer.is_file():
+        folder = folder / "checkpoints" / pointer.read_text().strip()
+    adapter = folder / "adapter"
+    return adapter if (adapter / "adapter_config.json").is_file() else None
+
+
 def find_checkpoint(path: str) -> tuple[str, str]:
     """Classify `path` as ('folder' | 'adapter', local folder) or ('hub', name), else raise.
 
@@ -422,14 +432,20 @@ def find_checkpoint(path: str) -> tuple[str, str]:
     given = Path(path).expanduser()
     roots = [Path.cwd(), paths.HOME] if not given.is_absolute() else [Path("/")]
     for p in (root / given for root in roots):
+        if p.is_file() and p.name == "latest":  # a run's pointer to its newest checkpoint
+            p = p.parent / p.read_text().strip()
         if p.is_dir():
             if (p / "adapter_config.json").is_file():
                 return "adapter", str(p)
             if (p / "config.json").is_file():
                 return "folder", str(p)
+            adapter = _run_adapter(p)
+            if adapter is not None:
+                return "adapter", str(adapter)
             raise KitchenError(
                 f"model path {path}: the folder holds no Hugging Face checkpoint (no config.json "
-                "or adapter_config.json); point at the folder that save_pretrained wrote"
+                "or adapter_config.json); point at the folder that save_pretrained wrote, or at "
+                "a training run (runs/<name>) or one of its checkpoints"
             )
         if p.exists():
             raise KitchenError(f"model path {path}: is a file; give the checkpoint's folder")

@@ -355,6 +355,26 @@ def test_load_model_reads_a_tiny_checkpoint(tok, micro, tmp_path):
     assert back.padding_side == "left" and back.pad_token_id == tok.pad_token_id
 
 
+def test_a_training_run_or_its_checkpoint_names_its_policy_adapter(tmp_path):
+    """`kitchen eval --policy runs/<name>` (or a checkpoint of it, or its `latest` pointer) finds
+    the adapter the run saved: the newest checkpoint's for the run and the pointer."""
+    from kitchen.models import find_checkpoint
+
+    run = tmp_path / "run"
+    for name in ("it-0003", "it-0006"):
+        (run / "checkpoints" / name / "adapter").mkdir(parents=True)
+        (run / "checkpoints" / name / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("it-0006\n")
+    newest = str(run / "checkpoints" / "it-0006" / "adapter")
+    assert find_checkpoint(str(run)) == ("adapter", newest)
+    assert find_checkpoint(str(run / "checkpoints" / "latest")) == ("adapter", newest)
+    older = run / "checkpoints" / "it-0003"
+    assert find_checkpoint(str(older)) == ("adapter", str(older / "adapter"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KitchenError, match="or at a training run"):
+        find_checkpoint(str(tmp_path / "empty"))
+
+
 def test_export_checkpoint_stores_float16_and_loads_back_in_float32(tok, micro, tmp_path):
     """The shipped-checkpoint format: half the bytes, float32 again after load_model, logits
     within float16 rounding of the original, and extra files (PROVENANCE.md) kept."""

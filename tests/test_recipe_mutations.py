@@ -274,10 +274,12 @@ def test_eval_flags_are_usable_or_rejected_by_name(policy, tasks, samples, seed,
 
 
 def test_eval_with_accepted_flags_plays_episodes(tmp_path, capsys):
-    """The accepted side runs: one held-out task, one sample, a report with one episode."""
+    """The accepted side runs: one held-out task, one sample, a report with one episode, and a
+    progress bar of the episodes played."""
     out = tmp_path / "r.json"
     rc = cli.main(["eval", "--policy", POLICY, "--tasks", "1", "--samples", "1", "--out", str(out)])
     assert rc == 0 and '"episodes": 1' in out.read_text()
+    assert "held-out episodes (policy)" in capsys.readouterr().err
     assert cli.main(["eval", "--policy", POLICY, "--tasks", "0"]) == 2
     assert "kitchen eval: --tasks: " in capsys.readouterr().err
 
