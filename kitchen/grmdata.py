@@ -195,15 +195,18 @@ def near_miss(
     checks = [t for t in turns if t.tool == "allergens" and t.dish is not None]
     refused = [t for t in named if any(d in t.rejected for d in [t.dish.name])]
     late = [t for t in named if t.rejected - {t.dish.name}]  # a dish was refused before this turn
+    orders = [t for t in named if t.tool == "order"]
     options = []
     if says:
         options += ["length", "pii"]
-    if named:
-        options += ["allergen", "allergen", "unreturned"]
+    if named:  # the axioms' near misses weigh most: A1, A3 and A4 had the lowest recall
+        options += ["allergen", "allergen", "unreturned", "unreturned"]
+    if orders:  # an order of a dish one allergen away (an order's line says `safe` most often)
+        options += ["allergen-order"]
     if checks:
         options.append("check")
     if late and not refused:
-        options += ["refused", "refused"]
+        options += ["refused"] * 3
     if not options:
         return None
     kind = rng.choice(options)
@@ -232,7 +235,7 @@ def near_miss(
         t = rng.choice(checks)
         others = [d for d in menu.dishes if d.cuisine == t.dish.cuisine and d.name != t.dish.name]
         return (swap_dish(traj, t.index, rng.choice(others), menu), "check") if others else None
-    t = rng.choice(named)
+    t = rng.choice(orders if kind == "allergen-order" else named)
     if kind == "unreturned":
         pool = [d for d in menu.dishes if d.name not in t.returned]
     else:

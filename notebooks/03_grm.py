@@ -30,8 +30,9 @@ def _(mo):
     Because the rules are part of the *input*, one GRM serves every diner's constitution. The
     tiny GRM in `data/models/grm-tiny` was trained from scratch by
     `kitchen grm train recipes/grm_tiny.yaml`, continued on synthetic diners by
-    `recipes/grm_tiny_diners.yaml` and on prompts with dish cards by
-    `recipes/grm_tiny_cards.yaml`, on reviews the rule judge wrote — balanced so every
+    `recipes/grm_tiny_diners.yaml`, on prompts with dish cards by
+    `recipes/grm_tiny_cards.yaml` and on cards in its review line's own words and order by
+    `recipes/grm_tiny_lines.yaml`, on reviews the rule judge wrote — balanced so every
     clause's violations are well represented, with near misses and attacks
     ([docs/method.md](../docs/method.md#grm-training)). This notebook reads one review, measures
     the GRM against the judge clause by clause, tries to fool it, lets you label verdicts
@@ -119,10 +120,10 @@ def _(mo):
     Left: what the GRM reads, one message per agent turn — the personal constitution (clause ids
     with the diner's parameters), the request, then each turn with its answer. Agent text is
     **untrusted**: it is escaped so it cannot forge a delimiter or start a line. Agent messages
-    carry their word count and a card for each dish they name: the menu's facts, what the
-    conversation already did with it (returned by a search, checked, refused, agreed to) and the
-    diner's allergies and diet — look-ups, so the GRM judges instead of searching. Right: the
-    line the GRM wrote after each turn.
+    carry their word count and a card for each dish they name: the menu's facts, the diner's
+    allergies, what the conversation already did with it (returned by a search, checked, refused,
+    agreed to), in the words and order the review line writes them — look-ups, so the GRM copies
+    them and judges instead of searching. Right: the line the GRM wrote after each turn.
     """)
     return
 

@@ -41,16 +41,15 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     assert recipe.sft.max_length <= tiny.max_positions
     sft = recipe.sft_recipe(paths.RUNS / "x")
     assert sft.data.train.endswith("x/data/train.jsonl") and sft.output_dir.endswith("x")
-    assert recipe.install is None  # stage 1: stage 3 installs the shipped GRM
-    stage2 = load_grm_recipe(paths.RECIPES / "grm_tiny_diners.yaml")
-    stage3 = load_grm_recipe(paths.RECIPES / "grm_tiny_cards.yaml")
-    assert stage2.install is None and stage2.data.variants > 0
-    assert stage3.install == "data/models/grm-tiny" and stage3.data.variants > 0
-    # each stage continues the one before, on new dialogues, with the same review budget
-    assert stage2.sft.model.base.path == f"runs/{recipe.output_dir}/final"
-    assert stage3.sft.model.base.path == f"runs/{stage2.output_dir}/final"
-    assert len({recipe.data.seed, stage2.data.seed, stage3.data.seed}) == 3
-    assert stage2.review == recipe.review == stage3.review
+    # four stages, each continuing the one before on new dialogues with the same review budget;
+    # only the last installs the shipped GRM
+    names = ["grm_tiny", "grm_tiny_diners", "grm_tiny_cards", "grm_tiny_lines"]
+    stages = [load_grm_recipe(paths.RECIPES / f"{n}.yaml") for n in names]
+    assert [s.install for s in stages] == [None, None, None, "data/models/grm-tiny"]
+    for before, after in zip(stages, stages[1:]):
+        assert after.sft.model.base.path == f"runs/{before.output_dir}/final"
+        assert after.review == before.review and after.data.variants > 0
+    assert len({s.data.seed for s in stages}) == len(stages)
 
 
 @pytest.mark.parametrize(

@@ -119,18 +119,24 @@ def _tag_pieces(user: str, turn: int) -> list[str]:
     return agent.removeprefix(f"t{turn} agent (").split("): ", 1)[0].split("; ")
 
 
-def _history(pieces: list[str], dish: str) -> str:
-    """The conversation facts of `dish`'s card: the first piece after `<dish>: …` that starts
-    with `returned` or `not returned`."""
+def _card(pieces: list[str], dish: str) -> list[str]:
+    """The facts on `dish`'s card in a tag's pieces: from `<dish>: has …` to its consent."""
     at = next(i for i, p in enumerate(pieces) if p.startswith(f"{dish}: "))
-    return next(p for p in pieces[at:] if p.startswith(("returned", "not returned")))
+    end = next(i for i in range(at, len(pieces)) if pieces[i] in ("agreed", "no consent"))
+    return [pieces[at].split(": ", 1)[1], *pieces[at + 1 : end + 1]]
+
+
+def _in_order(needles: list[str], hay: list[str]) -> bool:
+    it = iter(hay)
+    return all(any(n == h for h in it) for n in needles)
 
 
 def test_a_turn_naming_a_dish_carries_the_facts_its_line_copies(dialogues):
-    """The tag of an agent turn that recommends or orders a dish holds, in the review line's own
-    words, the facts the line states about it — the diner's `avoid …` list (A1), `returned` (A3),
-    `checked` (T1), `refused before` (A4) — and `vegetarian diner` exactly where T7 applies: the
-    GRM copies them from beside the turn instead of from the header or an earlier turn."""
+    """The card of the dish an agent turn recommends or orders is its review line's facts in the
+    line's own words and order — `has …`, `avoid …` (A1), `veg` (T7), `checked` (T1), the
+    course (T8, T9), `returned` (A3), `refused before` (A4), and an order's consent (T2) — so
+    the line copies it in one run, adding only judgements (`hits …`, `safe`) and what the turn
+    itself says; `vegetarian diner` is tagged exactly where T7 applies."""
     counts: Counter = Counter()
     for traj, pc in dialogues:
         users = review_turns(traj, pc)
@@ -140,21 +146,23 @@ def test_a_turn_naming_a_dish_carries_the_facts_its_line_copies(dialogues):
             facts = line.split("; ")
             dish = facts[0].split(" ", 1)[1]
             pieces = _tag_pieces(users[t], t)
-            avoid = next(f for f in facts if f.startswith("avoid "))
-            assert avoid in pieces, (pieces, line)
-            history = _history(pieces, dish).split()
-            missing = [f.removesuffix(" not returned") for f in facts if f.endswith("not returned")]
-            assert (history[0] == "not") == (dish in missing), (pieces, line)
-            for named in missing:
-                assert _history(pieces, named).startswith("not returned")
-            assert ("unchecked" in history) == ("unchecked" in facts)
-            assert ("before" in history) == ("refused before" in facts)
+            card = _card(pieces, dish)
+            order = facts[0].startswith("order ")
+            copied = card if order else card[:-1]  # a recommendation's line states no consent
+            said = next(f for f in facts if f.endswith("returned"))
+            if said != card[-3]:  # the line's `returned` covers every dish the turn names:
+                assert card[-3] == "returned"  # another one's `<dish> not returned`, from its card
+                assert said in pieces, (pieces, line)
+                copied = [said if c == "returned" else c for c in copied]
+            assert _in_order(copied, facts), (card, line)
             assert ("vegetarian diner" in pieces) == ("T7" in pc.ids)
             counts["T7" in pc.ids] += 1
-            counts["missing"] += bool(missing)
+            counts["missing"] += any(f.endswith("not returned") for f in facts)
             counts["refused"] += "refused before" in facts
+            counts["course"] += any(f.startswith("course ") for f in facts)
+            counts["order"] += order
     assert counts[True] > 10 and counts[False] > 10
-    assert counts["missing"] > 0 and counts["refused"] > 0
+    assert min(counts[k] for k in ("missing", "refused", "course", "order")) > 0, counts
 
 
 def test_missing_and_garbled_lines_are_masked_not_zero():
