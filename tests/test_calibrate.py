@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import pairwise
 
 import pytest
 import yaml
@@ -46,7 +47,7 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     names = ["grm_tiny", "grm_tiny_diners", "grm_tiny_cards", "grm_tiny_lines"]
     stages = [load_grm_recipe(paths.RECIPES / f"{n}.yaml") for n in names]
     assert [s.install for s in stages] == [None, None, None, "data/models/grm-tiny"]
-    for before, after in zip(stages, stages[1:]):
+    for before, after in pairwise(stages):
         assert after.sft.model.base.path == f"runs/{before.output_dir}/final"
         assert after.review == before.review and after.data.variants > 0
     assert len({s.data.seed for s in stages}) == len(stages)
