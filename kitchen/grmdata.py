@@ -14,7 +14,8 @@ violations caught). This module builds data where every (clause, verdict) cell i
    reviewer trained on them alone learns those sets instead of reading the diner's list.
 2. **Near misses** (`near_miss`): one turn of a dialogue edited so that a verdict hinges on one
    detail — a message padded or cut to exactly the word limit or one word past it, a dish swapped
-   for another one allergen away (or one no search returned, or one the diner refused earlier),
+   for another one allergen away in a recommendation or an order (or one no search returned, or
+   one the diner refused earlier),
    an allergen check of a *different* dish, a confirmation naming a different dish, a request for
    a phone number slipped into a message. Edits are made in place (the diner's answer is
    kept), and the rule judge labels the edited dialogue, so labels stay exact. Edits also break the

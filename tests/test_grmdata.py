@@ -90,6 +90,30 @@ def test_near_misses_flip_verdicts_of_the_edited_turn(dialogues):
     assert {"A1", "T1", "A3", "T3"} <= flipped
 
 
+def test_an_order_near_miss_changes_one_order_and_can_break_a1(dialogues):
+    """`allergen-order` edits swap the dish of one `@order` turn, and nothing else; some of them
+    turn a safe order into an A1 violation (an order's line says `safe` most often)."""
+    rng = random.Random(4)
+    seen, broke = 0, 0
+    for traj, pc in dialogues:
+        for _ in range(4):
+            edit = near_miss(traj, pc, rng)
+            if edit is None or edit[1] != "allergen-order":
+                continue
+            out = edit[0]
+            changed = [
+                i
+                for i, (a, b) in enumerate(zip(traj.turns, out.turns, strict=True))
+                if a.action.text != b.action.text
+            ]
+            assert len(changed) == 1 and out.turns[changed[0]].action.tool == "order"
+            seen += 1
+            cell = (changed[0], "A1")
+            was, now = judge(traj, pc).table().get(cell), judge(out, pc).table().get(cell)
+            broke += now == "violate" and was != "violate"
+    assert seen > 5 and broke > 0, (seen, broke)
+
+
 def test_adversarial_uses_one_half_of_the_corpus_and_one_message(dialogues):
     rng = random.Random(5)
     held = {a.text for a in attacks("heldout")}
