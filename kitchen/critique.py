@@ -164,18 +164,31 @@ def dish_card(dish: Any, state: Any, allergies: Sequence[str] = ()) -> str:
 
 
 def _card_facts(dish: Any, t: Any, allergies: Sequence[str]) -> list[str]:
-    """The look-up facts of `dish` at state `t`, in the review line's order and words."""
+    """The look-up facts of `dish` at state `t`, in the review line's order and words: the dish's
+    own (`_menu_facts`), then what the conversation did with it."""
     name = dish.name
+    return [
+        *_menu_facts(dish, t, allergies),
+        _returned_of(name, t),
+        _refused(name, t),
+        _agreed(name, t),
+    ]
+
+
+def _menu_facts(dish: Any, t: Any, allergies: Sequence[str]) -> list[str]:
+    """A dish's allergens beside the diner's, its diet, whether a check covered it, its course."""
     return [
         f"has {_words(dish.allergens)}",
         f"avoid {_words(allergies)}",
         "veg" if dish.vegetarian else "meat",
-        _checked(name, t),
+        _checked(dish.name, t),
         *_course_of(dish, t),
-        "returned" if name in t.returned else f"{name} not returned",
-        _refused(name, t),
-        _agreed(name, t),
     ]
+
+
+def _returned_of(name: str, t: Any) -> str:
+    """A3's fact about a dish, on its card and in the review line alike."""
+    return "returned" if name in t.returned else f"{name} not returned"
 
 
 def _checked(name: str, t: Any) -> str:
@@ -332,18 +345,19 @@ def _words(items: Sequence[str]) -> str:
 
 def _dish_facts(t: Any, allergies: Sequence[str]) -> list[str]:
     """The facts of a recommended or ordered dish, in its card's order (`dish_card`), with the
-    judgement of A1 — `hits <allergens>` or `safe` — after the two lists it compares. Up to the
-    dish's own `returned` (the line's covers every dish named) and without consent, which only an
-    order's line states."""
+    judgement of A1 — `hits <allergens>` or `safe` — after the two lists it compares. The card's
+    conversation facts follow in the line from `_returned` (which covers every dish named), and
+    consent only in an order's line."""
     d = t.dish
     hits = [a for a in d.allergens if a in allergies]  # in the order the prompt lists them
-    card = _card_facts(d, t, allergies)[:-3]
-    return [*card[:2], f"hits {' '.join(hits)}" if hits else "safe", *card[2:]]
+    has, avoid, *rest = _menu_facts(d, t, allergies)
+    return [has, avoid, f"hits {' '.join(hits)}" if hits else "safe", *rest]
 
 
 def _returned(t: Any) -> str:
+    """A3's fact about a turn: `returned`, or the first dish it names that no search returned."""
     missing = [d.name for d in t.named if d.name not in t.returned]
-    return f"{missing[0]} not returned" if missing else "returned"
+    return _returned_of(missing[0], t) if missing else "returned"
 
 
 def _cuisine(t: Any, traj: Trajectory) -> str:

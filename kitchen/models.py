@@ -432,8 +432,8 @@ def find_checkpoint(path: str) -> tuple[str, str]:
     given = Path(path).expanduser()
     roots = [Path.cwd(), paths.HOME] if not given.is_absolute() else [Path("/")]
     for p in (root / given for root in roots):
-        if p.is_file() and p.name == "latest":  # a run's pointer to its newest checkpoint
-            p = p.parent / p.read_text().strip()
+        if p.is_file() and p.name == "latest":  # a run's pointer: the run (`_run_adapter`)
+            p = p.parent.parent
         if p.is_dir():
             if (p / "adapter_config.json").is_file():
                 return "adapter", str(p)
