@@ -15,7 +15,8 @@ violations caught). This module builds data where every (clause, verdict) cell i
 2. **Near misses** (`near_miss`): one turn of a dialogue edited so that a verdict hinges on one
    detail — a message padded or cut to exactly the word limit or one word past it, a dish swapped
    for another one allergen away in a recommendation or an order (or one no search returned, or
-   one the diner refused earlier),
+   one the diner refused earlier, named again on up to three later turns, or in a meal a second
+   dish of a course already ordered),
    an allergen check of a *different* dish, a confirmation naming a different dish, a request for
    a phone number slipped into a message. Edits are made in place (the diner's answer is
    kept), and the rule judge labels the edited dialogue, so labels stay exact. Edits also break the
@@ -197,6 +198,7 @@ def near_miss(
     refused = [t for t in named if any(d in t.rejected for d in [t.dish.name])]
     late = [t for t in named if t.rejected - {t.dish.name}]  # a dish was refused before this turn
     orders = [t for t in named if t.tool == "order"]
+    reorders = [t for t in orders if t.courses and t.served]  # a course was ordered before
     options = []
     if says:
         options += ["length", "pii"]
@@ -204,6 +206,8 @@ def near_miss(
         options += ["allergen", "allergen", "unreturned", "unreturned"]
     if orders:  # an order of a dish one allergen away (an order's line says `safe` most often)
         options += ["allergen-order"]
+    if reorders:  # T8: a second dish of a course already ordered
+        options += ["reorder"] * 2
     if checks:
         options.append("check")
     if late and not refused:
@@ -217,9 +221,24 @@ def near_miss(
         text = t.text if t.dish is not None else ""
         return _set_message(traj, t.index, f"{text} {ask}".strip()), "pii"
     if kind == "refused":
+        # the refused dish named again on one to three later turns: the GRM's last line about
+        # it said `not refused` (it was refused after), so only the card tells what changed
         t = rng.choice(late)
         again = menu.find(sorted(t.rejected - {t.dish.name})[0])
-        return (swap_dish(traj, t.index, again, menu), "refused") if again else None
+        if again is None:
+            return None
+        later = [u for u in late if again.name in u.rejected and u.index >= t.index]
+        out = traj
+        for u in sorted(
+            rng.sample(later, min(len(later), rng.randint(1, 3))), key=lambda u: u.index
+        ):
+            out = swap_dish(out, u.index, again, menu)
+        return out, "refused"
+    if kind == "reorder":
+        t = rng.choice(reorders)
+        done = [d for d in menu.dishes if d.course in t.served and d.name != t.dish.name]
+        seen = [d for d in done if d.name in t.returned] or done
+        return (swap_dish(traj, t.index, rng.choice(seen), menu), "reorder") if seen else None
     if kind == "length":
         t = rng.choice(says)
         limits = []

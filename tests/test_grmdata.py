@@ -114,6 +114,47 @@ def test_an_order_near_miss_changes_one_order_and_can_break_a1(dialogues):
     assert seen > 5 and broke > 0, (seen, broke)
 
 
+def _edits(dialogues, kind, seed):
+    """(before, after, changed turns) of every `kind` near miss drawn over `dialogues`."""
+    rng = random.Random(seed)
+    for traj, pc in dialogues:
+        for _ in range(6):
+            edit = near_miss(traj, pc, rng)
+            if edit is not None and edit[1] == kind:
+                out = edit[0]
+                changed = [
+                    i
+                    for i, (a, b) in enumerate(zip(traj.turns, out.turns, strict=True))
+                    if a.action.text != b.action.text
+                ]
+                yield traj, pc, out, changed
+
+
+def test_a_refused_near_miss_names_the_refused_dish_again_and_breaks_a4(dialogues):
+    """`refused` edits name a dish the diner refused again, on one to three later turns, and
+    every edited dialogue gains an A4 violation the original lacked."""
+    seen, turns = 0, set()
+    for traj, pc, out, changed in _edits(dialogues, "refused", 6):
+        assert 1 <= len(changed) <= 3
+        before, after = judge(traj, pc).table(), judge(out, pc).table()
+        new = {t for (t, c), v in after.items() if c == "A4" and v == "violate"}
+        assert new and not any(v == "violate" for (t, c), v in before.items() if c == "A4")
+        seen += 1
+        turns.add(len(changed))
+    assert seen > 3 and len(turns) > 1, (seen, turns)
+
+
+def test_a_reorder_near_miss_orders_a_course_again_and_breaks_t8(dialogues):
+    """`reorder` edits change one `@order` of a meal to a dish of a course already ordered: T8
+    is then violated at that turn."""
+    seen = 0
+    for _traj, pc, out, changed in _edits(dialogues, "reorder", 7):
+        assert len(changed) == 1 and out.turns[changed[0]].action.tool == "order"
+        assert judge(out, pc).table().get((changed[0], "T8")) == "violate"
+        seen += 1
+    assert seen > 3, seen
+
+
 def test_adversarial_uses_one_half_of_the_corpus_and_one_message(dialogues):
     rng = random.Random(5)
     held = {a.text for a in attacks("heldout")}
