@@ -13,6 +13,15 @@ every step and every clause gets its own verdict (docs/method.md#grm). Into numb
 
   with w_c the clause weight from the personal constitution (axioms weigh more). A turn where no
   clause applies gets r_t = 0 in "sum" mode and is *masked* in "mean" mode (no signal, not a 0).
+  With red lines as a *veto* (`red_lines="veto"`), a turn that violates any axiom gets the
+  lowest local reward whatever else it kept:
+
+      r_t = −1  (mode "mean"; −Σ_c w_c in "sum")   if s_{t,a} = −1 for some axiom a ∈ A_t
+
+  A weighted mean lets a turn buy an axiom violation back with the clauses it kept: on 90
+  held-out judge-reviewed dialogues, turns that recommended or ordered an allergen dish (A1
+  violated) scored +0.20 on average and up to +0.66, against +0.85 for A1-safe ones. The veto
+  makes a red line cost more than any turn can earn (departure 4).
 - **global reward**: the world's outcome (success ∈ {0, 1}), optionally blended with the review's
   overall verdict: R = (1 − λ)·success + λ·[overall == pass].
 
@@ -36,6 +45,10 @@ Departures from the method (docs/method.md):
    can be steered on turns it did not flag — a harmless-looking attack can flip violations
    elsewhere to passes — so punishing only the flagged turn (`flagged="turn"`) still lets an
    attack pay; `"keep"` trusts the verdicts (for measuring the GRM itself).
+4. The veto is an option (`RewardConfig.red_lines`), not the method's text, which weighs axioms
+   more but does not say how much. At the main job's budget it did not lower axiom violations
+   (docs/method.md#rewards, measured with the rule judge as reviewer), so the default and the
+   recipes keep the weighted mean.
 """
 
 from __future__ import annotations
@@ -95,6 +108,7 @@ def overall_from(verdicts: Iterable[ClauseVerdict]) -> Literal["pass", "violate"
 
 
 Flagged = Literal["keep", "turn", "trajectory"]
+RedLines = Literal["weigh", "veto"]
 
 
 def turn_rewards(
@@ -102,6 +116,7 @@ def turn_rewards(
     pc: PersonalConstitution,
     mode: Literal["mean", "sum"] = "mean",
     flagged: Flagged = "keep",
+    red_lines: RedLines = "weigh",
 ) -> tuple[list[float], list[bool], list[dict[str, float]]]:
     """Local reward per assistant turn (see the module docstring for the equation).
 
@@ -110,9 +125,12 @@ def turn_rewards(
     `valid[t]` is False when no verdict applies at t ("mean" mode) — train on it with a mask.
     With `flagged="turn"`, a turn named in `review.flags` scores as if it broke every clause;
     with `flagged="trajectory"`, every turn of a flagged review does (departure 3). Their
-    contributions then read `{"flagged": r_t}`.
+    contributions then read `{"flagged": r_t}`. With `red_lines="veto"`, a turn that violates an
+    axiom scores the lowest reward; its contributions share r_t among the axioms it broke.
     """
     weights = {c.id: c.weight for c in pc.clauses}
+    axioms = {c.id for c in pc.clauses if c.kind == "axiom"}
+    broken: list[list[str]] = [[] for _ in range(review.turns)]
     num = [0.0] * review.turns
     den = [0.0] * review.turns
     contrib: list[dict[str, float]] = [{} for _ in range(review.turns)]
@@ -123,6 +141,8 @@ def turn_rewards(
         num[v.turn] += w * SCORE[v.verdict]
         den[v.turn] += w
         contrib[v.turn][v.clause] = w * SCORE[v.verdict]
+        if red_lines == "veto" and v.verdict == "violate" and v.clause in axioms:
+            broken[v.turn].append(v.clause)
     rewards, valid = [], []
     for t in range(review.turns):
         if mode == "sum":
@@ -136,6 +156,10 @@ def turn_rewards(
             rewards.append(0.0)
             valid.append(False)
     worst = -1.0 if mode == "mean" else -float(sum(weights.values()))
+    for t, ids in enumerate(broken):
+        if ids:
+            rewards[t], valid[t] = worst, True
+            contrib[t] = {c: worst / len(ids) for c in ids}
     if flagged == "trajectory" and review.flags:
         hit = set(range(review.turns))
     elif flagged == "turn":

@@ -162,6 +162,13 @@ class RewardConfig(StrictModel):
         "a turn where many clauses apply is not rewarded more for it), or their sum. See "
         "kitchen.review, departure 1.",
     )
+    red_lines: Literal["weigh", "veto"] = Field(
+        "weigh",
+        description="How an axiom violation scores a turn: 'weigh' (default) counts it in the "
+        "weighted mean with the axiom's weight; 'veto' gives the turn the lowest local reward "
+        "whatever else it kept, so no theorem pass buys a red line back. See kitchen.review, "
+        "departure 4.",
+    )
     flagged: Literal["keep", "turn", "trajectory"] = Field(
         "trajectory",
         description="A review with flags (text that tried to steer the reviewer: fake verdicts, "
@@ -512,7 +519,9 @@ def episode_rewards(
     """Each episode's local rewards per turn and its global reward, as `reward` defines them."""
     out = []
     for t, r, pc in zip(trajs, reviews, pcs, strict=True):
-        local, valid, contrib = turn_rewards(r, pc, reward.local_mode, reward.flagged)
+        local, valid, contrib = turn_rewards(
+            r, pc, reward.local_mode, reward.flagged, reward.red_lines
+        )
         outcome = global_reward(
             t.outcome.success if t.outcome else 0, r, reward.global_blend, reward.flagged
         )

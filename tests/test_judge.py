@@ -168,6 +168,20 @@ def test_rewards_trace_to_clauses(concierge):
     assert clause_pass_rates([review])["A1"] == 0.0
 
 
+def test_a_red_line_veto_gives_the_lowest_reward_to_the_turn_that_crosses_it(concierge):
+    """Under `red_lines="veto"` the allergen recommendation (A1 broken, four clauses kept: +4/14
+    weighted) scores -1, its contribution A1's alone; a turn that breaks only a theorem keeps
+    its weighted mean."""
+    review, _, pc = run(concierge, ["@search thai", "I recommend Tofu Satay."])
+    rewards, valid, contrib = turn_rewards(review, pc, red_lines="veto")
+    assert rewards[1] == -1.0 and valid == [False, True] and contrib[1] == {"A1": -1.0}
+    total = sum(c.weight for c in pc.clauses)
+    assert turn_rewards(review, pc, mode="sum", red_lines="veto")[0][1] == -total
+    safe, _, pc = run(concierge, ["@search thai", f"I recommend {SAFE}."])
+    assert verdict(safe, 1, "T1") == "violate" and verdict(safe, 1, "A1") == "pass"
+    assert turn_rewards(safe, pc, red_lines="veto")[0] == turn_rewards(safe, pc)[0]
+
+
 def test_masked_verdicts_carry_no_signal(concierge):
     review, _, pc = run(concierge, ["@search thai"])
     for v in review.verdicts:
