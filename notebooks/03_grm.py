@@ -31,8 +31,9 @@ def _(mo):
     tiny GRM in `data/models/grm-tiny` was trained from scratch by
     `kitchen grm train recipes/grm_tiny.yaml`, continued on synthetic diners by
     `recipes/grm_tiny_diners.yaml`, on prompts with dish cards by
-    `recipes/grm_tiny_cards.yaml` and on cards in its review line's own words and order by
-    `recipes/grm_tiny_lines.yaml`, on reviews the rule judge wrote — balanced so every
+    `recipes/grm_tiny_cards.yaml`, on cards in its review line's own words and order by
+    `recipes/grm_tiny_lines.yaml` and on data where rare facts (a refused dish offered again)
+    are common by `recipes/grm_tiny_recall.yaml`, on reviews the rule judge wrote — balanced so every
     clause's violations are well represented, with near misses and attacks
     ([docs/method.md](../docs/method.md#grm-training)). This notebook reads one review, measures
     the GRM against the judge clause by clause, tries to fool it, lets you label verdicts
