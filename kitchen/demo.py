@@ -43,6 +43,7 @@ curves leave such points out.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -274,17 +276,45 @@ def _split(trajs, pcs, kind: str):
     return [trajs[i] for i in idx], [pcs[i] for i in idx], idx
 
 
+def _play_held_out(name: str, where: str, cfg: EvalConfig) -> tuple[str, dict[str, list]]:
+    """One policy's held-out episodes (with the guard for an RL policy), in a worker process with
+    one torch thread: `where` is the SFT checkpoint ("sft") or a training run's folder."""
+    torch.set_num_threads(1)
+    if name == "sft":
+        policy = load_model(ModelSpec(path=where))
+        policy[0].eval()
+    else:
+        policy = load_run_policy(where)
+    _, eps = evaluate(policy, cfg, with_guard=name != "sft")
+    return name, eps
+
+
 def held_out(
-    policies: dict[str, Any], cfg: EvalConfig, progress: bool = True
+    policies: dict[str, str | Path], cfg: EvalConfig, progress: bool = True, parallel: int = 2
 ) -> tuple[dict[str, Any], dict[str, dict[str, list]]]:
-    """Every policy (name → (model, tokenizer); "sft" among them) on the same held-out jobs and
-    seeds, with the guard for the RL ones; per task kind: reports, win rates vs "sft" and
-    personalisation. Returns (results by name, trajectories by name and variant)."""
+    """Every policy (name → the SFT checkpoint for "sft", a run folder for the others) on the
+    same held-out jobs and seeds, `parallel` policies at a time in worker processes (one torch
+    thread each; every episode is seeded, so the result does not depend on it), with the guard
+    for the RL ones; per task kind: reports, win rates vs "sft" and personalisation. Returns
+    (results by name, trajectories by name and variant)."""
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
     trajs: dict[str, dict[str, list]] = {}
-    for name in tqdm(list(policies), desc="held-out evaluation", disable=not progress):
-        rep, eps = evaluate(policies[name], cfg, with_guard=name != "sft")
-        trajs[name] = eps
+    order = sorted(policies, key=lambda n: n == "sft")  # the guarded RL runs take longest: first
+    bar = tqdm(total=len(order), desc="held-out evaluation", disable=not progress)
+    if parallel <= 1:
+        for name in order:
+            trajs[name] = _play_held_out(name, str(policies[name]), cfg)[1]
+            bar.update()
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=parallel, mp_context=ctx) as pool:
+            jobs = [pool.submit(_play_held_out, n, str(policies[n]), cfg) for n in order]
+            for job in as_completed(jobs):
+                name, eps = job.result()
+                trajs[name] = eps
+                bar.update()
+    bar.close()
+    trajs = {name: trajs[name] for name in policies}  # the caller's order
     sft = trajs["sft"]["policy"]
     results: dict[str, Any] = {}
     for name, eps in trajs.items():
@@ -378,10 +408,8 @@ def main_job(
 
     torch.set_num_threads(1)
     base = Recipe.model_validate(next(iter(recipes.values())))
-    sft = load_model(ModelSpec(path=str(paths.DATA / "models" / "policy-tiny")))
-    sft[0].eval()
     cfg = EvalConfig(tasks=eval_tasks, samples=eval_samples, long_share=base.eval.long_share)
-    policies = {"sft": sft} | {name: load_run_policy(f) for name, f in folders.items()}
+    policies = {"sft": paths.DATA / "models" / "policy-tiny", **folders}
     held, trajs = held_out(policies, cfg, progress)
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
 
