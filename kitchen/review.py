@@ -187,8 +187,10 @@ def global_reward(
     blend: float = 0.0,
     flagged: Flagged = "keep",
 ) -> float:
-    """R = (1 − λ)·success + λ·[overall verdict is pass]; λ = `blend` in [0, 1]. With
-    `flagged="trajectory"`, a flagged review's trajectory gets R = 0 (departure 3)."""
+    """R = (1 − λ)·success + λ·[overall verdict is pass]; λ = `blend` in [0, 1]. `success` is
+    the world's outcome: 0 or 1, or the share of the request fulfilled (`reward.outcome:
+    progress`). With `flagged="trajectory"`, a flagged review's trajectory gets R = 0
+    (departure 3)."""
     if not 0.0 <= blend <= 1.0:
         raise ValueError(f"blend must be in [0, 1], got {blend}")
     if not math.isfinite(float(success)):

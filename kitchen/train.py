@@ -178,11 +178,22 @@ class RewardConfig(StrictModel):
         "turns; 'turn' punishes the flagged turn only; 'keep' trusts the verdicts. See "
         "kitchen.review, departure 3.",
     )
+    outcome: Literal["success", "progress"] = Field(
+        "success",
+        description="What the world's outcome contributes to the global reward: 'success' (0 or "
+        "1; the default, as GRPO's verifiable reward) or 'progress', the share of the request "
+        "fulfilled (`world.Outcome.progress`: a meal's fitting courses, less any other order, "
+        "over the courses asked; a single dish, its success). On meals success is rare (16% for "
+        "the SFT policy), so most task groups are all failures and their global advantage is 0: "
+        "the local term then trains alone, and measured on the main job it learnt thoroughness "
+        "that ran out of turns (courses ordered 0.66 → 0.57). Progress keeps the global term "
+        "informative there; evaluation still counts success.",
+    )
     global_blend: float = Field(
         0.0,
         ge=0,
         le=1,
-        description="λ in R = (1−λ)·success + λ·[overall pass]. 0: the world's outcome only.",
+        description="λ in R = (1−λ)·outcome + λ·[overall pass]. 0: the world's outcome only.",
     )
 
 
@@ -218,6 +229,21 @@ class TrainConfig(StrictModel):
         le=1,
         description="AdamW learning rate of the LoRA adapter. 2e-4: the QLoRA paper's value; "
         "lower it if training wobbles (docs/method.md#faq).",
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="The learning rate over iterations (`lr_at`): 'constant', or 'cosine' from "
+        "`lr` down to `lr_final`·`lr` at the last iteration. Constant keeps old recipes as they "
+        "were; cosine lets a short run take large early steps without its last ones undoing "
+        "them (measured on the main job: at a constant 2e-3 the policy improved for 16 "
+        "iterations, then its KL went from 0.5 to 3.5 and its messages collapsed to a word).",
+    )
+    lr_final: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="With `lr_schedule: cosine`, the last iteration's learning rate as a share "
+        "of `lr` (0.1: a tenth).",
     )
     weight_decay: float = Field(
         0.0,
@@ -496,6 +522,22 @@ def _home(path: str) -> str:
     return path
 
 
+def lr_at(iteration: int, train: TrainConfig) -> float:
+    """The learning rate of iteration `iteration` (0-based) of `train.iterations`:
+
+        constant:  lr
+        cosine:    lr · (f + (1 − f) · (1 + cos(π·p)) / 2),  p = iteration / (iterations − 1),
+                   f = lr_final
+
+    per iteration rather than per optimiser step, since the number of minibatches an iteration
+    holds varies with its episodes' lengths; a resumed run gets the same rate back."""
+    if train.lr_schedule == "constant":
+        return train.lr
+    p = min(iteration / max(train.iterations - 1, 1), 1.0)
+    f = train.lr_final
+    return train.lr * (f + (1 - f) * (1 + math.cos(math.pi * p)) / 2)
+
+
 # --------------------------------------------------------------------------------------------
 # Rewards and step samples
 
@@ -522,9 +564,12 @@ def episode_rewards(
         local, valid, contrib = turn_rewards(
             r, pc, reward.local_mode, reward.flagged, reward.red_lines
         )
-        outcome = global_reward(
-            t.outcome.success if t.outcome else 0, r, reward.global_blend, reward.flagged
+        done = (
+            (t.outcome.progress if reward.outcome == "progress" else t.outcome.success)
+            if t.outcome
+            else 0
         )
+        outcome = global_reward(done, r, reward.global_blend, reward.flagged)
         local = [x if v else 0.0 for x, v in zip(local, valid, strict=True)]
         out.append(EpisodeRewards(local, valid, contrib, outcome))
     return out
@@ -598,9 +643,13 @@ def pack_units(tok: Any, items: Sequence[tuple[str, int, str, Sequence[int]]]) -
     earlier turn's prompt and action: one forward pass scores them all, instead of re-reading
     the history once per turn (3–5x fewer tokens on concierge dialogues). That is exact only when
     each later prompt's tokens start with the earlier prompt's tokens followed by the action ids
-    actually sampled; it is checked, and a trajectory where it fails (e.g. an action re-rendered
-    differently) falls back to one sequence per turn. A span (sample, start, length) locates an
-    action: its tokens are ids[start : start + length].
+    actually sampled; it is checked, and where it fails (the world stores an action re-rendered —
+    stripped of the leading space the policy sampled, say — and the next turn's prompt holds that
+    rendering) the sequence ends and a new one starts from that turn's own prompt, so every action
+    is scored after exactly the prompt the policy saw. (Ending the whole trajectory's packing at
+    the first mismatch instead — one sequence per turn from there — put 77% of an iteration's
+    update tokens into the 15% of trajectories with such a turn.) A span (sample, start, length)
+    locates an action: its tokens are ids[start : start + length].
     """
     by_traj: dict[str, list[int]] = {}
     for i, (key, _, _, _) in enumerate(items):
@@ -610,21 +659,15 @@ def pack_units(tok: Any, items: Sequence[tuple[str, int, str, Sequence[int]]]) -
         members.sort(key=lambda i: items[i][1])
         merged: list[int] = []
         spans: list[tuple[int, int, int]] = []
-        ok = True
         for i in members:
             prompt = tok(items[i][2], add_special_tokens=False)["input_ids"]
             action = list(items[i][3])
-            if prompt[: len(merged)] != merged:
-                ok = False
-                break
+            if prompt[: len(merged)] != merged:  # the prompt differs from what was sampled
+                units.append((merged, spans))
+                spans = []
             spans.append((i, len(prompt), len(action)))
             merged = prompt + action
-        if ok:
-            units.append((merged, spans))
-            continue
-        for i in members:
-            prompt = tok(items[i][2], add_special_tokens=False)["input_ids"]
-            units.append((prompt + list(items[i][3]), [(i, len(prompt), len(items[i][3]))]))
+        units.append((merged, spans))
     return units
 
 
@@ -738,6 +781,7 @@ def iteration_metrics(x: Iteration, buffer: ReplayBuffer, grm: bool) -> dict[str
         "reward/local_var": _var(local),
         "reward/local_valid_frac": share(int(valid.sum()), len(valid)),
         "episode/success": mean(success),
+        "episode/progress": mean(t.outcome.progress if t.outcome else 0.0 for t in x.trajs),
         "episode/turns": mean(len(t.turns) for t in x.trajs),
         "train/step_samples": 0,
     }
@@ -922,6 +966,7 @@ class Run:
         # 1. roll out K episodes per job
         jobs = self._jobs(it)
         pcs = [pc for _, pc, _ in jobs for _ in range(k)]
+        t_roll = time.perf_counter()
         trajs, stats = rollout(
             self.model,
             self.tok,
@@ -931,6 +976,7 @@ class Run:
             menu=self.menu,
             group_prefix=f"it{it}:",
         )
+        rollout_seconds = time.perf_counter() - t_roll
         # 2. review every episode (the rule judge too: it is what the metrics trust)
         t0 = time.perf_counter()
         judged = [judge(t, pc, self.menu) for t, pc in zip(trajs, pcs, strict=True)]
@@ -954,6 +1000,7 @@ class Run:
             it, trajs, pcs, stats, reviews, judged, review_seconds, rewards, samples, scored, update
         )
         m = iteration_metrics(x, self.buffer, grm=self.grm is not None)
+        m["time/rollout_s"], m["time/review_s"] = rollout_seconds, review_seconds
         self.last = {
             "trajectories": trajs,
             "reviews": reviews,
@@ -992,6 +1039,9 @@ class Run:
 
         self.model.train()
         dev = self.model.device
+        lr = lr_at(self.iteration, r.train)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
         tokens_seen = 0
         t0 = time.perf_counter()
         stats: dict[str, list[float]] = {}
@@ -1035,8 +1085,10 @@ class Run:
                 for key, v in lm.items():
                     stats.setdefault(key, []).append(v)
         out = {key: statistics.fmean(v) for key, v in stats.items()}
-        out["speed/update_tokens_per_s"] = tokens_seen / max(time.perf_counter() - t0, 1e-9)
+        out["time/update_s"] = time.perf_counter() - t0
+        out["speed/update_tokens_per_s"] = tokens_seen / max(out["time/update_s"], 1e-9)
         out["train/step_samples"] = len(items)
+        out["train/lr"] = lr
         ent = out.get("policy/entropy", math.nan)
         if self.first_entropy is None and math.isfinite(ent):
             self.first_entropy = ent
@@ -1066,6 +1118,7 @@ class Run:
 
     def evaluate(self) -> dict[str, Any]:
         """Held-out evaluation of the current policy (rule judge); appends to eval.jsonl."""
+        t0 = time.perf_counter()
         rep, kinds = held_out_report(
             self.model, self.tok, self.recipe, self.constitution, by_kind=True
         )
@@ -1077,6 +1130,7 @@ class Run:
             "eval/compliance": rep.compliance,
             "eval/axiom_violations": rep.axiom_violations,
             "eval/valid_actions": rep.valid_actions,
+            "time/eval_s": time.perf_counter() - t0,
         }
         out |= {f"eval/{c}_pass_rate": v for c, v in rep.clause_pass.items()}
         if len(kinds) > 1:  # a mixed held-out set: each kind's curve too

@@ -553,6 +553,14 @@ class Outcome(BaseModel):
     reason: str
     dish: str | None = Field(None, description="The dish ordered (a meal: the failing or last).")
     dishes: list[str] = Field(default_factory=list, description="Every dish ordered, in order.")
+    progress: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="How much of the request was fulfilled: a single dish, `success`; a meal, "
+        "(courses asked for that got one fitting order − every other order) / courses asked, "
+        "at least 0 — so 1 exactly when the meal succeeds (`World.outcome`).",
+    )
 
 
 class Trajectory(BaseModel):
@@ -750,12 +758,13 @@ class World:
             and (d := self.menu.find(ti.action.argument or "")) is not None
         ]
         names = [d.name for d in orders]
+        progress = self._progress(orders, t.task) if t.task.kind == "long" else 0.0
         if t.end != "ordered":
             why = {"left": "the diner left", "budget": "turn budget spent"}.get(t.end, "no order")
             if t.task.kind == "long":
                 done = len({d.course for d in orders} & set(t.task.courses))
                 why += f" ({done} of {len(t.task.courses)} courses ordered)"
-            return Outcome(success=0, reason=why, dishes=names)
+            return Outcome(success=0, reason=why, dishes=names, progress=progress)
         if t.task.kind == "short":
             dish = orders[-1]
             why = self._mismatch(dish)
@@ -767,7 +776,11 @@ class World:
                     dishes=names,
                 )
             return Outcome(
-                success=1, reason=f"ordered {dish.name}, which fits", dish=dish.name, dishes=names
+                success=1,
+                reason=f"ordered {dish.name}, which fits",
+                dish=dish.name,
+                dishes=names,
+                progress=1.0,
             )
         seen: set[str] = set()
         for dish in orders:
@@ -781,13 +794,28 @@ class World:
                     reason=f"ordered {dish.name}: does not fit ({why})",
                     dish=dish.name,
                     dishes=names,
+                    progress=progress,
                 )
         return Outcome(
             success=1,
             reason=f"ordered {', '.join(names)}, which fit",
             dish=names[-1],
             dishes=names,
+            progress=1.0,
         )
+
+    def _progress(self, orders: list[Dish], task: Task) -> float:
+        """A meal's share fulfilled: asked courses whose (first) order fits, less one for every
+        other order (a misfit, a second dish of a course, an unasked course), over the courses
+        asked; at least 0. An order that does not fit must not count as half a success."""
+        good: set[str] = set()
+        other = 0
+        for dish in orders:
+            if dish.course in task.courses and dish.course not in good and not self._mismatch(dish):
+                good.add(dish.course)
+            else:
+                other += 1
+        return max(0.0, (len(good) - other) / len(task.courses))
 
     def _mismatch(self, dish: Dish) -> str | None:
         return mismatch(

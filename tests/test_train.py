@@ -179,7 +179,8 @@ def test_update_moves_weights_toward_positive_advantages(runs_dir):
 
 def test_resume_reaches_the_same_result(runs_dir):
     """A run killed after its first checkpoint and resumed ends where an uninterrupted run ends."""
-    straight = cook(tiny_recipe("straight"), progress=False)
+    cosine = {"lr_schedule": "cosine"}  # the learning rate of a resumed iteration comes back too
+    straight = cook(tiny_recipe("straight", train=cosine), progress=False)
 
     class Crash(Exception):
         pass
@@ -188,7 +189,7 @@ def test_resume_reaches_the_same_result(runs_dir):
         if run.iteration == 1:
             raise Crash
 
-    recipe = tiny_recipe("resumed")
+    recipe = tiny_recipe("resumed", train=cosine)
     with pytest.raises(Crash):
         cook(recipe, progress=False, on_iteration=crash_after_first)
     folder = runs_dir / "resumed"
@@ -197,7 +198,8 @@ def test_resume_reaches_the_same_result(runs_dir):
     a, b = lora_state(straight.model), lora_state(resumed.model)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
-    keep = [k for k in straight.metrics[-1] if not k.startswith("speed/")]
+    assert [m["train/lr"] for m in straight.metrics] == pytest.approx([3e-3, 3e-4])
+    keep = [k for k in straight.metrics[-1] if not k.startswith(("speed/", "time/"))]
     for x, y in zip(straight.metrics, resumed.metrics, strict=True):
         assert {k: x.get(k) for k in keep} == pytest.approx(
             {k: y.get(k) for k in keep}, rel=1e-4, abs=1e-6
@@ -205,6 +207,43 @@ def test_resume_reaches_the_same_result(runs_dir):
     # the resumed run's policy loads for evaluation from its checkpoint
     model, _ = load_run_policy(folder)
     torch.testing.assert_close(lora_state(model)[next(iter(a))], b[next(iter(a))])
+
+
+def test_packing_restarts_a_sequence_only_where_a_prompt_differs_from_what_was_sampled():
+    """Turns whose prompts extend the previous prompt plus its sampled action share a sequence; a
+    turn whose prompt differs (the world re-rendered the action: a sampled leading space
+    stripped) starts a new sequence from its own prompt, and the turns after it join that one.
+    Every span then holds exactly its action's ids after exactly its turn's prompt."""
+    from kitchen.models import ModelSpec, load_model
+
+    _, tok = load_model(ModelSpec(path=POLICY))
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    a0, a1, a2 = ids(" hello there"), ids(" Pad Thai, 9 words"), ids(" @order Pad Thai")
+    p0 = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    p1 = p0 + "hello there<|im_end|>\n<|im_start|>assistant\n"  # stripped: not p0 + a0
+    p2 = tok.decode(ids(p1) + a1)  # p1 plus the sampled action, exactly
+    assert ids(p2) == ids(p1) + a1 and ids(p1)[: len(ids(p0) + a0)] != ids(p0) + a0
+    items = [("t", 0, p0, a0), ("t", 1, p1, a1), ("t", 2, p2, a2), ("u", 0, p0, a0)]
+    units = pack_units(tok, items)
+    assert sorted(len(spans) for _, spans in units) == [1, 1, 2]
+    for seq, spans in units:
+        for i, start, length in spans:
+            assert seq[:start] == ids(items[i][2]) and seq[start : start + length] == items[i][3]
+
+
+def test_learning_rate_schedules():
+    """`lr_at`: constant is `lr` throughout; cosine starts at `lr`, passes the mean of `lr` and
+    its floor half-way and ends at `lr_final`·`lr` on the last iteration."""
+    from kitchen.train import TrainConfig, lr_at
+
+    flat = TrainConfig(iterations=5, lr=1e-3)
+    assert [lr_at(i, flat) for i in range(5)] == [1e-3] * 5
+    cos = TrainConfig(iterations=5, lr=1e-3, lr_schedule="cosine", lr_final=0.1)
+    got = [lr_at(i, cos) for i in range(5)]
+    assert got[0] == pytest.approx(1e-3) and got[-1] == pytest.approx(1e-4)
+    assert got[2] == pytest.approx(0.55e-3)
+    assert all(a > b for a, b in zip(got, got[1:], strict=False))
+    assert lr_at(9, cos) == pytest.approx(1e-4)  # past the end: the floor
 
 
 def test_interrupted_checkpoint_leaves_the_previous_one(runs_dir, monkeypatch):

@@ -185,6 +185,7 @@ def test_diner_rejects_unsuitable_recommendations(dish, why):
 def test_unsafe_order_fails():
     w = play(["@search thai", "@order Tofu Satay"])
     assert w.traj.outcome.success == 0 and "allergen:peanut" in w.traj.outcome.reason
+    assert w.traj.outcome.progress == pytest.approx(1 / 3)  # two fit, the unsafe one counts against
 
 
 def test_ambiguous_request_reveals_cuisine_when_asked():
@@ -371,12 +372,37 @@ def test_a_meal_is_ordered_course_by_course_and_succeeds():
     assert tools[-1] == "ordered Coconut Ice Cream (dessert); all courses ordered"
     assert t.done and t.end == "ordered" and len(t.turns) == 12
     assert t.outcome.success == 1 and t.outcome.dishes == SAFE_MEAL
+    assert t.outcome.progress == 1.0
+
+
+def test_the_global_reward_takes_progress_or_success_as_the_recipe_says(concierge):
+    """`reward.outcome: progress` gives a meal that ran out of turns after two of its three
+    courses 2/3 as its global reward; `success` (the default) gives it 0; a single dish gets its
+    success either way (1 for a fitting order, 0 for an allergen)."""
+    from kitchen.constitution import personalize
+    from kitchen.judge import judge
+    from kitchen.profile import Profile
+    from kitchen.train import RewardConfig, episode_rewards
+
+    meal = play(meal_actions()[:8] + ["Hello."] * 20, task=MEAL, max_turns=14).traj
+    good = play(["@search thai", "@order Mango Sticky Rice"]).traj
+    bad = play(["@search thai", "@order Tofu Satay"]).traj  # peanut
+    trajs = [meal, good, bad]
+    pcs = [personalize(concierge, Profile(id="u", dimensions=DIMS))] * 3
+    reviews = [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
+    got = {
+        mode: [r.outcome for r in episode_rewards(trajs, reviews, pcs, RewardConfig(outcome=mode))]
+        for mode in ("success", "progress")
+    }
+    assert got["success"] == [0.0, 1.0, 0.0]
+    assert got["progress"] == [pytest.approx(2 / 3), 1.0, 0.0]
 
 
 def test_a_meal_ends_only_when_every_course_is_ordered():
     w = play(meal_actions()[:8] + ["Hello."] * 20, task=MEAL, max_turns=14)
     assert w.traj.end == "budget" and w.traj.outcome.success == 0
     assert "2 of 3 courses ordered" in w.traj.outcome.reason
+    assert w.traj.outcome.progress == pytest.approx(2 / 3)  # the global reward's partial credit
 
 
 @pytest.mark.parametrize(
@@ -391,6 +417,7 @@ def test_a_meal_with_an_order_beyond_the_request_fails(extra, why):
     w = play(actions[:8] + extra + actions[8:], task=MEAL, max_turns=24)
     assert w.traj.end == "ordered" and w.traj.outcome.success == 0
     assert why in w.traj.outcome.reason
+    assert w.traj.outcome.progress == pytest.approx(2 / 3)  # three fitting courses, one extra
 
 
 def test_an_unsafe_course_fails_the_meal_but_the_episode_goes_on():
@@ -398,6 +425,7 @@ def test_an_unsafe_course_fails_the_meal_but_the_episode_goes_on():
     w = play(actions, task=MEAL, max_turns=24)
     assert w.traj.end == "ordered" and len(w.traj.turns) == 12
     assert w.traj.outcome.success == 0 and "allergen:peanut" in w.traj.outcome.reason
+    assert w.traj.outcome.progress == pytest.approx(1 / 3)  # two fit, the unsafe one counts against
 
 
 def test_diner_rejects_a_course_not_asked_for_or_already_served():
