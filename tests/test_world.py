@@ -425,7 +425,7 @@ def test_an_unsafe_course_fails_the_meal_but_the_episode_goes_on():
     w = play(actions, task=MEAL, max_turns=24)
     assert w.traj.end == "ordered" and len(w.traj.turns) == 12
     assert w.traj.outcome.success == 0 and "allergen:peanut" in w.traj.outcome.reason
-    assert w.traj.outcome.progress == 0.0  # a single dish that does not fit earns no partial credit
+    assert w.traj.outcome.progress == pytest.approx(1 / 3)  # two fit, the unsafe one counts against
 
 
 def test_diner_rejects_a_course_not_asked_for_or_already_served():
