@@ -78,7 +78,7 @@ from kitchen.files import atomic_write_json, atomic_write_text, read_jsonl
 from kitchen.models import ModelSpec, load_model
 from kitchen.report import Section, run_sections, write_html
 from kitchen.train import Recipe, _home, latest_checkpoint, load_recipe, load_run_policy
-from kitchen.world import render_transcript
+from kitchen.world import Trajectory, render_transcript
 
 METHODS = {"mapo": None, "grpo": "grpo"}  # method → the recipe's compare arm (None: itself)
 KINDS = ("long", "short")
@@ -276,9 +276,32 @@ def _split(trajs, pcs, kind: str):
     return [trajs[i] for i in idx], [pcs[i] for i in idx], idx
 
 
-def _play_held_out(name: str, where: str, cfg: EvalConfig) -> tuple[str, dict[str, list]]:
+def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> str:
+    """What a policy's held-out episodes depend on: the evaluation settings and the weights it
+    plays with (the SFT checkpoint, or a run's latest adapter)."""
+    import hashlib
+
+    folder = Path(where) if name == "sft" else latest_checkpoint(Path(where))
+    h = hashlib.sha256(cfg.model_dump_json().encode() + name.encode())
+    for f in sorted(folder.rglob("*.safetensors")) if folder else []:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _play_held_out(
+    name: str, where: str, cfg: EvalConfig, cache: str | None = None
+) -> tuple[str, dict[str, list]]:
     """One policy's held-out episodes (with the guard for an RL policy), in a worker process with
-    one torch thread: `where` is the SFT checkpoint ("sft") or a training run's folder."""
+    one torch thread: `where` is the SFT checkpoint ("sft") or a training run's folder. With a
+    `cache` file the episodes are kept there and reused while their key still matches, so an
+    interrupted evaluation resumes at the policies it had not finished."""
+    key = _played_key(name, where, cfg)
+    if cache and Path(cache).exists():
+        saved = json.loads(Path(cache).read_text())
+        if saved.get("key") == key:
+            return name, {
+                v: [Trajectory.model_validate(t) for t in ts] for v, ts in saved["episodes"].items()
+            }
     torch.set_num_threads(1)
     if name == "sft":
         policy = load_model(ModelSpec(path=where))
@@ -286,29 +309,43 @@ def _play_held_out(name: str, where: str, cfg: EvalConfig) -> tuple[str, dict[st
     else:
         policy = load_run_policy(where)
     _, eps = evaluate(policy, cfg, with_guard=name != "sft")
+    if cache:
+        doc = {v: [t.model_dump(mode="json") for t in ts] for v, ts in eps.items()}
+        atomic_write_json(Path(cache), {"key": key, "episodes": doc})
     return name, eps
 
 
 def held_out(
-    policies: dict[str, str | Path], cfg: EvalConfig, progress: bool = True, parallel: int = 2
+    policies: dict[str, str | Path],
+    cfg: EvalConfig,
+    progress: bool = True,
+    parallel: int = 2,
+    cache: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, list]]]:
     """Every policy (name → the SFT checkpoint for "sft", a run folder for the others) on the
     same held-out jobs and seeds, `parallel` policies at a time in worker processes (one torch
     thread each; every episode is seeded, so the result does not depend on it), with the guard
-    for the RL ones; per task kind: reports, win rates vs "sft" and personalisation. Returns
-    (results by name, trajectories by name and variant)."""
+    for the RL ones; per task kind: reports, win rates vs "sft" and personalisation. A `cache`
+    folder keeps every policy's episodes (`<name>.json`), so a rerun plays only what changed.
+    Returns (results by name, trajectories by name and variant)."""
+    if cache:
+        cache.mkdir(parents=True, exist_ok=True)
+
+    def kept(name: str) -> str | None:
+        return str(cache / f"{name}.json") if cache else None
+
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
     trajs: dict[str, dict[str, list]] = {}
     order = sorted(policies, key=lambda n: n == "sft")  # the guarded RL runs take longest: first
     bar = tqdm(total=len(order), desc="held-out evaluation", disable=not progress)
     if parallel <= 1:
         for name in order:
-            trajs[name] = _play_held_out(name, str(policies[name]), cfg)[1]
+            trajs[name] = _play_held_out(name, str(policies[name]), cfg, kept(name))[1]
             bar.update()
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=parallel, mp_context=ctx) as pool:
-            jobs = [pool.submit(_play_held_out, n, str(policies[n]), cfg) for n in order]
+            jobs = [pool.submit(_play_held_out, n, str(policies[n]), cfg, kept(n)) for n in order]
             for job in as_completed(jobs):
                 name, eps = job.result()
                 trajs[name] = eps
@@ -410,7 +447,7 @@ def main_job(
     base = Recipe.model_validate(next(iter(recipes.values())))
     cfg = EvalConfig(tasks=eval_tasks, samples=eval_samples, long_share=base.eval.long_share)
     policies = {"sft": paths.DATA / "models" / "policy-tiny", **folders}
-    held, trajs = held_out(policies, cfg, progress)
+    held, trajs = held_out(policies, cfg, progress, cache=out / "held_out")
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
 
     # the SFT policy's in-training held-out compliance: every curve starts there
@@ -445,6 +482,13 @@ def main_job(
         "sample_efficiency": eff,
         "median_ratio": {kind: _median([e["ratio"] for e in eff[kind].values()]) for kind in KINDS},
         "mapo_vs_grpo": {},
+    }
+    sft_scores = judged_scores(trajs["sft"]["policy"], pcs)
+    results["all_vs_sft"] = {  # every held-out episode, both task kinds: the headline figure
+        name: win_rate(
+            judged_scores(trajs[name]["policy"], pcs), sft_scores, cfg.bootstrap, cfg.seed
+        )
+        for name in folders
     }
     for seed in seeds:
         m, g = run_name("mapo", seed, prefix), run_name("grpo", seed, prefix)
@@ -647,6 +691,24 @@ def seeds_table(results: dict[str, Any], prefix: str) -> str:
         f"{results['eval']['samples']} samples; median [min, max] over seeds.",
         "",
     ]
+    every = results.get("all_vs_sft") or {}
+    if every:
+        lines += ["**all held-out episodes**", "", "| | MAPO | GRPO |", "|---|---:|---:|"]
+        for label, i in (("win rate vs SFT", 0), ("95% interval low", 1)):
+            cells = []
+            for method in METHODS:
+                vals = [every[run_name(method, s, prefix)][i] for s in seeds]
+                cells.append(
+                    _num(vals[0])
+                    if len(vals) == 1
+                    else f"{_num(statistics.median(vals))} [{_num(min(vals))}, {_num(max(vals))}]"
+                )
+            lines.append(f"| {label} | {' | '.join(cells)} |")
+        h2h = ", ".join(
+            f"seed {s}: {_num(w[0])} [{_num(w[1])}, {_num(w[2])}]"
+            for s, w in results["mapo_vs_grpo"].items()
+        )
+        lines += ["", f"MAPO vs GRPO head to head: {h2h}.", ""]
     for kind in KINDS:
         if kind not in held["sft"]:
             continue
@@ -683,8 +745,12 @@ def seeds_table(results: dict[str, Any], prefix: str) -> str:
                 f"| {g['clause']} pass, {g['group']} | {cell('sft', rate)} | {cell('mapo', rate)} "
                 f"| {cell('grpo', rate)} |"
             )
-        ratios = [e["ratio"] for e in results["sample_efficiency"][kind].values()]
-        shown = ", ".join("never" if r is None else f"{r:.2f}" for r in ratios)
+        shown = ", ".join(
+            "GRPO did not improve"
+            if e.get("improved") is False
+            else ("never" if e["ratio"] is None else f"{e['ratio']:.2f}")
+            for e in results["sample_efficiency"][kind].values()
+        )
         med = results["median_ratio"][kind]
         lines += [
             "",
@@ -732,6 +798,14 @@ def summary(results: dict[str, Any], prefix: str = "demo") -> str:
         lines.append(
             f"  MAPO's episodes to GRPO's final held-out compliance: "
             f"{'no data' if med is None else f'{med:.2f}× GRPO’s'}"
+        )
+    every = results.get("all_vs_sft") or {}
+    if every:
+        lines.append(
+            "all held-out episodes — "
+            + ", ".join(
+                f"{m}: win rate vs SFT {rate(every[run_name(m, seed, prefix)])}" for m in METHODS
+            )
         )
     lines.append(
         "mapo vs grpo head to head: "
