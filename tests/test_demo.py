@@ -151,6 +151,11 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir):
     assert "mapo: win rate vs SFT" in demo.summary(results)
     table = (runs_dir / "demo" / "table.md").read_text()
     assert "**long tasks**" in table and "T3 pass, verbosity=brief" in table
+    # the headline win rate counts every held-out episode (6 tasks: both kinds)
+    assert set(results["all_vs_sft"]) == {"demo-mapo", "demo-grpo"}
+    assert "**all held-out episodes**" in table and "all held-out episodes — mapo" in demo.summary(
+        results
+    )
 
 
 def test_numbers_over_nothing_read_no_data():
@@ -174,6 +179,7 @@ def test_numbers_over_nothing_read_no_data():
         "eval": {"tasks": 0, "samples": 1},
         "held_out": {"sft": {"long": sft}, "demo-mapo": {"long": run}, "demo-grpo": {"long": run}},
         "mapo_vs_grpo": {0: (nan, nan, nan)},
+        "all_vs_sft": {"demo-mapo": (nan, nan, nan), "demo-grpo": (nan, nan, nan)},
         "sample_efficiency": {"long": {0: demo.efficiency(pl.DataFrame(), pl.DataFrame())},
                               "short": {}},
         "median_ratio": {"long": None, "short": None},
@@ -183,3 +189,40 @@ def test_numbers_over_nothing_read_no_data():
     assert "nan" not in text.lower() and text.count("no data") >= 5
     table = demo.seeds_table(results, "demo")
     assert "nan" not in table.lower() and "no data" in table
+
+
+def test_held_out_episodes_are_kept_and_replayed_only_when_their_key_changes(tmp_path, monkeypatch):
+    """An interrupted multi-seed evaluation resumes: a policy whose weights and settings are
+    unchanged is read back from the cache, not played again; other settings play again."""
+    from kitchen.evaluate import EvalConfig
+
+    sft = {"sft": paths.DATA / "models" / "policy-tiny"}
+    cfg = EvalConfig(tasks=2, samples=1, long_share=0.5, bootstrap=100)
+    first, eps = demo.held_out(sft, cfg, progress=False, parallel=1, cache=tmp_path)
+    assert (tmp_path / "sft.json").exists()
+
+    def no_play(*a, **k):
+        raise AssertionError("played again")
+
+    monkeypatch.setattr(demo, "evaluate", no_play)
+    again, eps2 = demo.held_out(sft, cfg, progress=False, parallel=1, cache=tmp_path)
+    assert again == first and eps2 == eps
+    with pytest.raises(AssertionError, match="played again"):
+        demo.held_out(sft, cfg.model_copy(update={"seed": 1}), False, parallel=1, cache=tmp_path)
+
+
+def test_the_shipped_mapo_adapter_is_the_main_jobs_run_and_moves_the_policy():
+    """data/models/mapo-tiny (notebook 06's RL policy) was trained by today's main-job recipe, and
+    it changes the SFT policy's next-token distribution."""
+    from kitchen.models import ModelSpec, load_adapter, load_model
+
+    folder = paths.DATA / "models" / "mapo-tiny"
+    shipped = load_recipe(folder / "recipe.yaml").model_dump()
+    assert shipped == Recipe.model_validate(demo.arms()["demo-mapo"]).model_dump()
+    base, tok = load_model(ModelSpec(path=str(paths.DATA / "models" / "policy-tiny")))
+    ids = torch.tensor([tok.encode("I'd like a meal of thai food")])
+    with torch.no_grad():
+        before = base(ids).logits
+        policy = load_adapter(base, folder, "policy", trainable=False).eval()
+        after = policy(ids).logits
+    assert (after - before).abs().max() > 1e-2
