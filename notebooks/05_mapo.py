@@ -82,6 +82,13 @@ def _(mo):
     the rule judge (an oracle: what a perfect GRM would give). The GRM is set up as in the main
     job (`recipes/tiny_mapo.yaml`): it reviews every clause except the two word counts (T3, T6),
     which code decides exactly — a cascade.
+
+    As in the main job, the learning rate starts high and falls to a tenth of itself (cosine),
+    and a meal's global reward is the share of its courses ordered right (`reward.outcome:
+    progress`): a whole meal succeeds rarely, and with success alone most task groups would be
+    all failures, whose global advantage is 0. Push α towards 1 to see what the local term alone
+    does: per-turn compliance rises while fewer meals get ordered — a turn that does little
+    breaks few clauses.
     """)
     return
 
@@ -110,7 +117,9 @@ def _(PRESETS, mo, notebook):
         label="share of meals",
         show_value=True,
     )
-    lr = mo.ui.dropdown(["1e-4", "2e-4", "5e-4", "1e-3"], value="5e-4", label="learning rate")
+    lr = mo.ui.dropdown(
+        ["2e-4", "5e-4", "1e-3", "2e-3", "3e-3"], value="2e-3", label="learning rate (peak)"
+    )
     beta = mo.ui.slider(0.0, 0.2, step=0.01, value=0.02, label="KL β", show_value=True)
     reviewer = mo.ui.dropdown(
         ["grm", "judge"], value=notebook.arg("reviewer", "grm"), label="reviewer"
@@ -161,12 +170,13 @@ def _(
         name=f"nb05-{preset.value}",
         advantage=AdvantageChoice(preset=preset.value, overrides=_overrides),
         grm=main_grm,
-        reward={"reviewer": reviewer.value},
+        reward={"reviewer": reviewer.value, "outcome": "progress"},
         rollout={"k": k.value, "max_turns": max_turns.value, "long_max_turns": 24},
         train={
             "iterations": iterations.value,
             "tasks_per_iteration": tasks.value,
             "lr": float(lr.value),
+            "lr_schedule": "cosine",  # large steps first, a tenth of them at the end
             "task_pool": 40,
             "long_share": meals.value,
         },
@@ -184,6 +194,7 @@ def _(
     )
     mo.md(
         f"**The recipe:** `{preset.value}` · {_mix} · KL β {beta.value:g} · "
+        f"learning rate {lr.value} falling to a tenth (cosine) · "
         f"{tasks.value} tasks × K {k.value} = {tasks.value * k.value} dialogues per iteration "
         f"({meals.value:.0%} meals of up to 24 turns), "
         f"{iterations.value} iteration{'s' if iterations.value != 1 else ''}, reviewed by the "
