@@ -715,8 +715,9 @@ def seeds_table(results: dict[str, Any], prefix: str) -> str:
         lines += [f"**{kind} tasks**", "", "| | SFT | MAPO | GRPO |", "|---|---:|---:|---:|"]
 
         def cell(method: str, fn, kind: str = kind) -> str:
-            if method == "sft":
-                return _num(fn(held["sft"][kind]))
+            if method == "sft":  # no win rate against itself, no guard: "—", not "no data"
+                v = fn(held["sft"][kind])
+                return "—" if v is None else _num(v)
             vals = [fn(held[run_name(method, s, prefix)][kind]) for s in seeds]
             vals = [v for v in vals if v is not None and not no_data(v)]
             if not vals:

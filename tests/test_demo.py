@@ -151,6 +151,7 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir):
     assert "mapo: win rate vs SFT" in demo.summary(results)
     table = (runs_dir / "demo" / "table.md").read_text()
     assert "**long tasks**" in table and "T3 pass, verbosity=brief" in table
+    assert "| win rate vs SFT | — |" in table  # the SFT policy is not compared with itself
     # the headline win rate counts every held-out episode (6 tasks: both kinds)
     assert set(results["all_vs_sft"]) == {"demo-mapo", "demo-grpo"}
     assert "**all held-out episodes**" in table and "all held-out episodes — mapo" in demo.summary(
