@@ -276,39 +276,58 @@ def _split(trajs, pcs, kind: str):
     return [trajs[i] for i in idx], [pcs[i] for i in idx], idx
 
 
-def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> str:
-    """What a policy's held-out episodes depend on: the evaluation settings and the weights it
-    plays with (the SFT checkpoint, or a run's latest adapter)."""
+HELD_OUT_VERSION = 1  # raise it when a change to the code that plays or judges episodes lands
+
+
+def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> tuple[str, int]:
+    """What a policy's held-out episodes depend on: the evaluation settings, the held-out jobs
+    themselves (tasks, personal constitutions, diners), the weights it plays with (the SFT
+    checkpoint; a run's latest adapter and the models its recipe names) and HELD_OUT_VERSION
+    for the code. Returns (key, the number of episodes a policy plays)."""
     import hashlib
 
-    folder = Path(where) if name == "sft" else latest_checkpoint(Path(where))
-    h = hashlib.sha256(cfg.model_dump_json().encode() + name.encode())
+    h = hashlib.sha256(f"{HELD_OUT_VERSION}|{name}|{cfg.model_dump_json()}".encode())
+    jobs = eval_jobs(cfg)
+    for task, pc, values in jobs:
+        job = [task.model_dump(mode="json"), pc.model_dump(mode="json"), values]
+        h.update(json.dumps(job, sort_keys=True, default=str).encode())
+    if name == "sft":
+        folder = Path(where)
+    else:
+        folder = latest_checkpoint(Path(where))
+        recipe = Path(where) / "recipe.yaml"
+        if recipe.exists():
+            h.update(json.dumps(models_digest(yaml.safe_load(recipe.read_text()))).encode())
     for f in sorted(folder.rglob("*.safetensors")) if folder else []:
         h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:16], len(jobs) * cfg.samples
 
 
 def _play_held_out(
     name: str, where: str, cfg: EvalConfig, cache: str | None = None
 ) -> tuple[str, dict[str, list]]:
-    """One policy's held-out episodes (with the guard for an RL policy), in a worker process with
-    one torch thread: `where` is the SFT checkpoint ("sft") or a training run's folder. With a
-    `cache` file the episodes are kept there and reused while their key still matches, so an
-    interrupted evaluation resumes at the policies it had not finished."""
-    key = _played_key(name, where, cfg)
+    """One policy's held-out episodes (with the guard for an RL policy), with one torch thread
+    (a worker process's, or the caller's for the length of the call): `where` is the SFT
+    checkpoint ("sft") or a training run's folder. With a `cache` file the episodes are kept
+    there and reused while their key still matches (`_played_key`), so an interrupted
+    evaluation resumes at the policies it had not finished."""
+    key, played = _played_key(name, where, cfg)
     if cache and Path(cache).exists():
         saved = json.loads(Path(cache).read_text())
-        if saved.get("key") == key:
-            return name, {
-                v: [Trajectory.model_validate(t) for t in ts] for v, ts in saved["episodes"].items()
-            }
+        eps = saved.get("episodes") or {}
+        if saved.get("key") == key and len(eps.get("policy", [])) == played:
+            return name, {v: [Trajectory.model_validate(t) for t in ts] for v, ts in eps.items()}
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    if name == "sft":
-        policy = load_model(ModelSpec(path=where))
-        policy[0].eval()
-    else:
-        policy = load_run_policy(where)
-    _, eps = evaluate(policy, cfg, with_guard=name != "sft")
+    try:
+        if name == "sft":
+            policy = load_model(ModelSpec(path=where))
+            policy[0].eval()
+        else:
+            policy = load_run_policy(where)
+        _, eps = evaluate(policy, cfg, with_guard=name != "sft")
+    finally:
+        torch.set_num_threads(threads)
     if cache:
         doc = {v: [t.model_dump(mode="json") for t in ts] for v, ts in eps.items()}
         atomic_write_json(Path(cache), {"key": key, "episodes": doc})
@@ -320,7 +339,7 @@ def held_out(
     cfg: EvalConfig,
     progress: bool = True,
     parallel: int = 2,
-    cache: Path | None = None,
+    cache: str | os.PathLike | None = None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, list]]]:
     """Every policy (name → the SFT checkpoint for "sft", a run folder for the others) on the
     same held-out jobs and seeds, `parallel` policies at a time in worker processes (one torch
@@ -328,6 +347,7 @@ def held_out(
     for the RL ones; per task kind: reports, win rates vs "sft" and personalisation. A `cache`
     folder keeps every policy's episodes (`<name>.json`), so a rerun plays only what changed.
     Returns (results by name, trajectories by name and variant)."""
+    cache = Path(cache) if cache else None
     if cache:
         cache.mkdir(parents=True, exist_ok=True)
 
@@ -695,14 +715,10 @@ def seeds_table(results: dict[str, Any], prefix: str) -> str:
     if every:
         lines += ["**all held-out episodes**", "", "| | MAPO | GRPO |", "|---|---:|---:|"]
         for label, i in (("win rate vs SFT", 0), ("95% interval low", 1)):
-            cells = []
-            for method in METHODS:
-                vals = [every[run_name(method, s, prefix)][i] for s in seeds]
-                cells.append(
-                    _num(vals[0])
-                    if len(vals) == 1
-                    else f"{_num(statistics.median(vals))} [{_num(min(vals))}, {_num(max(vals))}]"
-                )
+            cells = [
+                _spread([every[run_name(method, s, prefix)][i] for s in seeds])
+                for method in METHODS
+            ]
             lines.append(f"| {label} | {' | '.join(cells)} |")
         h2h = ", ".join(
             f"seed {s}: {_num(w[0])} [{_num(w[1])}, {_num(w[2])}]"
@@ -715,28 +731,24 @@ def seeds_table(results: dict[str, Any], prefix: str) -> str:
         lines += [f"**{kind} tasks**", "", "| | SFT | MAPO | GRPO |", "|---|---:|---:|---:|"]
 
         def cell(method: str, fn, kind: str = kind) -> str:
-            if method == "sft":  # no win rate against itself, no guard: "—", not "no data"
-                v = fn(held["sft"][kind])
-                return "—" if v is None else _num(v)
-            vals = [fn(held[run_name(method, s, prefix)][kind]) for s in seeds]
-            vals = [v for v in vals if v is not None and not no_data(v)]
-            if not vals:
-                return "no data"
-            if len(vals) == 1:
-                return _num(vals[0])
-            return f"{_num(statistics.median(vals))} [{_num(min(vals))}, {_num(max(vals))}]"
+            if method == "sft":
+                return _num(fn(held["sft"][kind]))
+            return _spread([fn(held[run_name(method, s, prefix)][kind]) for s in seeds])
 
-        for label, fn in (
-            ("win rate vs SFT", lambda r: (r.get("win_rate_vs_sft") or [None])[0]),
-            ("95% interval low", lambda r: (r.get("win_rate_vs_sft") or [None, None])[1]),
-            ("success", lambda r: r["success"]),
-            ("compliance", lambda r: r["compliance"]),
-            ("axiom violations", lambda r: r["axiom_violations"]),
-            ("… with the guard", lambda r: (r.get("guarded") or {}).get("axiom_violations")),
+        for label, fn, sft_has_it in (
+            ("win rate vs SFT", lambda r: (r.get("win_rate_vs_sft") or [None])[0], False),
+            ("95% interval low", lambda r: (r.get("win_rate_vs_sft") or [None, None])[1], False),
+            ("success", lambda r: r["success"], True),
+            ("compliance", lambda r: r["compliance"], True),
+            ("axiom violations", lambda r: r["axiom_violations"], True),
+            (
+                "… with the guard",
+                lambda r: (r.get("guarded") or {}).get("axiom_violations"),
+                False,
+            ),
         ):
-            lines.append(
-                f"| {label} | {cell('sft', fn)} | {cell('mapo', fn)} | {cell('grpo', fn)} |"
-            )
+            sft = cell("sft", fn) if sft_has_it else "—"  # not compared with itself, not guarded
+            lines.append(f"| {label} | {sft} | {cell('mapo', fn)} | {cell('grpo', fn)} |")
         for g in held["sft"][kind]["groups"]:
 
             def rate(r, group=g["group"]):
@@ -760,6 +772,17 @@ def seeds_table(results: dict[str, Any], prefix: str) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _spread(values: Sequence[Any]) -> str:
+    """Per-seed values as "median [min, max]" (one value as itself), over the runs that have
+    one; "no data" where none has."""
+    vals = [v for v in values if v is not None and not no_data(v)]
+    if not vals:
+        return "no data"
+    if len(vals) == 1:
+        return _num(vals[0])
+    return f"{_num(statistics.median(vals))} [{_num(min(vals))}, {_num(max(vals))}]"
 
 
 def _num(v: Any) -> str:

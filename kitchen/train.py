@@ -530,7 +530,8 @@ def lr_at(iteration: int, train: TrainConfig) -> float:
                    f = lr_final
 
     per iteration rather than per optimiser step, since the number of minibatches an iteration
-    holds varies with its episodes' lengths; a resumed run gets the same rate back."""
+    holds varies with its episodes' lengths; a resumed run gets the same rate back. A run of one
+    iteration has no fall: it trains at `lr`."""
     if train.lr_schedule == "constant":
         return train.lr
     p = min(iteration / max(train.iterations - 1, 1), 1.0)

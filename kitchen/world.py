@@ -805,9 +805,10 @@ class World:
         )
 
     def _progress(self, orders: list[Dish], task: Task) -> float:
-        """A meal's share fulfilled: asked courses whose (first) order fits, less one for every
-        other order (a misfit, a second dish of a course, an unasked course), over the courses
-        asked; at least 0. An order that does not fit must not count as half a success."""
+        """A meal's share fulfilled: asked courses with an order that fits (a course counts
+        once), less one for every other order (a misfit, a second dish of a course, an unasked
+        course), over the courses asked; at least 0. An order that does not fit must not count
+        as half a success."""
         good: set[str] = set()
         other = 0
         for dish in orders:

@@ -199,6 +199,22 @@ def test_recipe_maps_to_grpo_config_and_rejects_what_trl_cannot_do():
         grpo_config(recipe(advantage={"preset": "mapo", "overrides": {"replay_in_gradient": True}}))
     with pytest.raises(KitchenError, match="k3"):
         grpo_config(recipe(advantage={"preset": "mapo", "overrides": {"beta": 0.1, "kl": "k1"}}))
+    # the recipe's learning-rate schedule, not a constant one: cosine falls to lr_final · lr
+    assert args.lr_scheduler_type == "constant"
+    cos = grpo_config(
+        recipe(
+            train={
+                "iterations": 2,
+                "tasks_per_iteration": 2,
+                "task_pool": 8,
+                "lr": 1e-2,
+                "lr_schedule": "cosine",
+                "lr_final": 0.1,
+            }
+        )
+    )
+    assert cos.lr_scheduler_type == "cosine_with_min_lr"
+    assert cos.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
 
 
 def test_shipped_launch_files_are_the_generated_ones():

@@ -248,7 +248,16 @@ def grpo_config(recipe: Recipe, settings: TRLSettings | None = None, *, num_proc
         "learning_rate": t.lr,
         "weight_decay": t.weight_decay,
         "max_grad_norm": t.grad_clip,
-        "lr_scheduler_type": "constant",  # the kit's AdamW keeps its learning rate
+        # the recipe's schedule (kitchen.train.lr_at): one TRL step per kit iteration (HF falls
+        # over max_steps, so its last step sits a little above lr_final · lr)
+        **(
+            {"lr_scheduler_type": "constant"}
+            if t.lr_schedule == "constant"
+            else {
+                "lr_scheduler_type": "cosine_with_min_lr",
+                "lr_scheduler_kwargs": {"min_lr_rate": t.lr_final},
+            }
+        ),
         "warmup_steps": 0,
         "optim": "adamw_torch",
         "beta": cfg.beta,
