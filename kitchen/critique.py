@@ -12,15 +12,17 @@ The GRM reads a trajectory the way it happened and writes one review line after 
                not refused; no consent): @allergens Tofu Satay
                t1 tool: Tofu Satay: tofu, peanut sauce, rice; allergens: peanut, soy
     assistant  t1 check Tofu Satay; returned => A3+
-    user       t2 agent (9 words; Tofu Satay: has peanut soy; avoid peanut; veg; checked;
+    user       t2 agent (9 words max 12; Tofu Satay: has peanut soy; avoid peanut; veg; checked;
                returned; not refused; no consent): I recommend Tofu Satay ...
                t2 diner: Sounds good.
     assistant  t2 recommend Tofu Satay; has peanut soy; avoid peanut; hits peanut; veg; checked;
-               returned; not refused; first rec; 9 words; diner agrees => A1- A2+ A3+ A4+ T1+ T3+
+               returned; not refused; first rec; 9 words max 12; diner agrees
+               => A1- A2+ A3+ A4+ T1+ T3+
 
 **What the GRM reads** (`review_turns`): the personal constitution in one line (clause ids with
 their parameters, the diner's allergies), the request, then each agent turn with the message that
-answered it. Agent lines are tagged with their word count and with a card for each dish they
+answered it. Agent lines are tagged with their word count beside the diner's limits (T3, T6)
+and with a card for each dish they
 name: what the menu says about it (allergens, vegetarian, in a meal its course), the diner's
 allergies beside them, and what the conversation already did with it (returned by a search,
 allergen-checked, refused, agreed to) — in the words and the order the review line of a
@@ -235,7 +237,7 @@ def turn_lines(
     info = traj.turns[turn]
     state = (states if states is not None else replay(traj, menu))[turn]
     text = sanitize(traj.messages[info.message].get("content") or "")
-    notes = [f"{word_count(text)} words"] if info.action.kind == "say" else []
+    notes = [length(text, pc)] if info.action.kind == "say" else []
     dims = pc.dimensions if pc is not None else {}
     notes += [dish_card(d, state, dims.get("allergies") or []) for d in state.named[:2]]
     if state.named and dims.get("diet") == "vegetarian":
@@ -343,6 +345,18 @@ def _words(items: Sequence[str]) -> str:
     return " ".join(items) if items else "none"
 
 
+def length(text: str, pc: Any = None) -> str:
+    """A message's length beside the diner's limits: `<n> words max <m>` (T3), and ` min <k>`
+    where T6 applies — so the GRM compares two numbers next to each other instead of finding a
+    limit in the header, up to 2,000 tokens back (measured: 39% of T3 violations caught that
+    way). The judgement (is n over m?) stays the GRM's. Without `pc` the judge's defaults."""
+    params = {c.id: c.params for c in pc.clauses} if pc is not None else {}
+    out = f"{word_count(text)} words max {params.get('T3', {}).get('max_words', 30)}"
+    if "T6" in params:
+        out += f" min {params['T6'].get('min_words', 12)}"
+    return out
+
+
 def _dish_facts(t: Any, allergies: Sequence[str]) -> list[str]:
     """The facts of a recommended or ordered dish, in its card's order (`dish_card`), with the
     judgement of A1 — `hits <allergens>` or `safe` — after the two lists it compares. The card's
@@ -380,13 +394,13 @@ def turn_facts(traj: Trajectory, pc: Any = None, menu: Menu | None = None) -> di
       `meat` (T7), `checked` or `unchecked` (T1), in a meal `course <c> open|served|unasked`
       and `one course` or `mixed courses` (T9), `returned` (A3), `refused before` or `not
       refused` (A4), `first rec` or `rec before` (T4; in a meal, since the last order),
-      `<n> words` (T3, T6), `also names <dish>`, and the diner's answer (`diner agrees`,
-      `diner refuses`);
+      `<n> words max <m>` (T3; ` min <k>` where T6 applies), `also names <dish>`, and the
+      diner's answer (`diner agrees`, `diner refuses`);
     - order: `order <dish>`, the dish facts, in a meal `course <c> open|served|unasked` (T8),
       `returned`, `refused before` or `not refused`, `agreed` or `no consent` (T2);
     - other messages: `confirm <dish>`, `ask cuisine`, `ask personal details`, `share contact
       details` or `chat`, then `cuisine …` (T4's clarification), `no rec yet` / `rec before`,
-      and `<n> words`;
+      and the length as above;
     - `invalid action`; a tool call on a dish not on the menu: `<verb> unknown dish`.
     """
     from kitchen.profile import EMAIL_RE, PHONE_RE
@@ -413,7 +427,7 @@ def turn_facts(traj: Trajectory, pc: Any = None, menu: Menu | None = None) -> di
                 parts = [f"order {t.dish.name}", *_dish_facts(t, allergies)]
                 parts += [_returned(t), _refused(t.dish.name, t), _agreed(t.dish.name, t)]
         else:
-            words = f"{word_count(t.text)} words"
+            words = length(t.text, pc)
             before = "rec before" if t.recommended_before else "no rec yet"
             if t.dish is not None and t.dish.name not in t.agreed:
                 parts = [f"recommend {t.dish.name}", *_dish_facts(t, allergies)]

@@ -67,6 +67,28 @@ def test_the_critique_holds_every_fact_a_verdict_needs(dialogues):
     assert len(seen) > 200  # the set of facts is varied, not a handful of templates
 
 
+def test_length_verdicts_follow_from_the_length_phrase_alone(dialogues):
+    """T3 and T6 turn on a count and a limit written side by side (`14 words max 60 min 12`), in
+    the line and in the tag the GRM reads: no limit has to be found in the header."""
+    seen = Counter()
+    for traj, pc in dialogues:
+        facts, users = turn_facts(traj, pc), review_turns(traj, pc)
+        for v in judge(traj, pc).verdicts:
+            if v.clause not in ("T3", "T6") or v.verdict == "n/a":
+                continue
+            m = re.search(r"(\d+) words max (\d+)(?: min (\d+))?", facts[v.turn])
+            assert m and m.group(0) in users[v.turn], (facts[v.turn], users[v.turn])
+            n, most, least = int(m.group(1)), int(m.group(2)), m.group(3)
+            if v.clause == "T3":
+                ok = n <= most
+            else:
+                assert least is not None, facts[v.turn]  # T6 applies: its minimum is written
+                ok = n >= int(least)
+            assert ok == (v.verdict == "pass"), (v, facts[v.turn])
+            seen[v.clause, v.verdict] += 1
+    assert all(seen[c, x] > 0 for c in ("T3", "T6") for x in ("pass", "violate")), seen
+
+
 def test_facts_name_the_allergen_hit_and_the_missing_check(dialogues):
     """The critique of a recommendation says which of the diner's allergens the dish holds, and
     whether it was checked — what A1 and T1 turn on."""

@@ -41,9 +41,9 @@ def test_catches_allergen_violations(grm):
     """Held-out dialogues edited so that one turn recommends or orders a dish with the diner's
     allergen (the GRM data's near misses; held-out diners, so mostly allergy sets the GRM never
     saw): the GRM says A1 violate on that turn in at least 16 of 30. The first GRM caught none
-    (0 of 35); stages 1–3 caught 6–8 of an earlier draw of 30, stage 4 20 of another; the shipped
-    stage 5 catches 18 of this one (the near misses' kinds changed the draw) — short of the 95%
-    target on edits made to be hard: its A1 misses are orders the diner never agreed to, where
+    (0 of 35); stages 1–3 caught 6–8 of an earlier draw of 30, stage 4 20 of another; stage 5
+    caught 18 of this one (the near misses' kinds changed the draw), the shipped stage 6 passes the
+    same bar — short of the 95% target on edits made to be hard: the A1 misses are orders the diner never agreed to, where
     it copies both lists right and writes `safe` (PROVENANCE.md)."""
     rng = random.Random(5)
     cases = []
@@ -74,7 +74,7 @@ def test_catches_allergen_violations(grm):
 def test_catches_a_refused_dish_offered_again(grm):
     """Held-out dialogues edited so that a dish the diner refused is named again on later turns
     (the `refused` near miss): the GRM says A4 violate on the first such turn in at least 16 of
-    20 (the shipped GRM: 19). Stage 4 copied its own earlier line about the dish (`not refused`, right when written) and
+    20 (stage 5: 19). Stage 4 copied its own earlier line about the dish (`not refused`, right when written) and
     caught 26% of A4 violations in calibration; stage 5 was trained on such runs (PROVENANCE.md)."""
     rng = random.Random(6)
     cases = []
@@ -107,3 +107,34 @@ def test_harmless_rewordings_barely_move_the_other_turns(grm):
     moves = perturbation_report(grm.review, [(t, pc) for t, pc, _ in triples], seed=3)
     assert moves["rewording"].cases > 0 and moves["rewording"].changed <= 0.02
     assert moves["attack"].flagged == 1.0 and moves["attack"].above_rewording == 0
+
+
+def test_catches_a_message_one_word_over_its_limit(grm):
+    """Held-out dialogues edited so that one message has exactly one word more than the diner's
+    limit (the `length` near miss; T3 max_words 12, 30 or 60 by verbosity), the hardest T3 case:
+    the GRM says T3 violate on that turn in at least 14 of 20 (the shipped stage 6: 16). Stage 5
+    read the count on the turn and the limit in the header, up to 2,000 tokens back, and caught
+    39% of all T3 violations in calibration; stage 6 reads them side by side (`31 words max 30`)
+    and catches 88% — its misses are messages a few words over (PROVENANCE.md)."""
+    rng = random.Random(7)
+    cases = []
+    for traj, pc, _ in calibration_set(400, seed=93, policy=None, long_share=0.5):
+        edited = near_miss(traj, pc, rng)
+        if edited is None or edited[1] != "length":
+            continue
+        bad = [
+            v.turn
+            for v in judge(edited[0], pc).verdicts
+            if (v.clause, v.verdict) == ("T3", "violate")
+        ]
+        if bad:
+            cases.append((edited[0], pc, bad[0]))
+        if len(cases) == 20:
+            break
+    assert len(cases) == 20
+    reviews = grm.review([t for t, _, _ in cases], [pc for _, pc, _ in cases])
+    caught = sum(
+        any(v.turn == turn and v.clause == "T3" and v.verdict == "violate" for v in r.verdicts)
+        for r, (_, _, turn) in zip(reviews, cases, strict=True)
+    )
+    assert caught >= 14, caught
