@@ -121,7 +121,8 @@ def _(mo):
     Left: what the GRM reads, one message per agent turn — the personal constitution (clause ids
     with the diner's parameters), the request, then each turn with its answer. Agent text is
     **untrusted**: it is escaped so it cannot forge a delimiter or start a line. Agent messages
-    carry their word count and a card for each dish they name: the menu's facts, the diner's
+    carry their word count beside the diner's limits (`31 words max 30`) and a card for each
+    dish they name: the menu's facts, the diner's
     allergies, what the conversation already did with it (returned by a search, checked, refused,
     agreed to), in the words and order the review line writes them — look-ups, so the GRM copies
     them and judges instead of searching. Right: the line the GRM wrote after each turn.
