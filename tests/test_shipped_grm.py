@@ -37,36 +37,52 @@ def test_agrees_with_the_judge_and_every_review_parses(grm):
     assert not any(r.flags for r in reviews)
 
 
+def _caught(grm, clause, kinds, n, *, seed, rng_seed, long_share, diners=lambda pc: True) -> int:
+    """How many of `n` held-out dialogues, each edited by a near miss of one of `kinds` into a
+    `clause` violation (the judge's), the GRM calls `clause` violate on the first violating turn.
+    `diners` picks the profiles worth editing (checked before an edit is drawn)."""
+    rng = random.Random(rng_seed)
+    cases = []
+    for traj, pc, _ in calibration_set(400, seed=seed, policy=None, long_share=long_share):
+        if not diners(pc):
+            continue
+        edited = near_miss(traj, pc, rng)
+        if edited is None or edited[1] not in kinds:
+            continue
+        bad = [
+            v.turn
+            for v in judge(edited[0], pc).verdicts
+            if (v.clause, v.verdict) == (clause, "violate")
+        ]
+        if bad:
+            cases.append((edited[0], pc, bad[0]))
+        if len(cases) == n:
+            break
+    assert len(cases) == n
+    reviews = grm.review([t for t, _, _ in cases], [pc for _, pc, _ in cases])
+    return sum(
+        any(v.turn == turn and v.clause == clause and v.verdict == "violate" for v in r.verdicts)
+        for r, (_, _, turn) in zip(reviews, cases, strict=True)
+    )
+
+
 def test_catches_allergen_violations(grm):
     """Held-out dialogues edited so that one turn recommends or orders a dish with the diner's
     allergen (the GRM data's near misses; held-out diners, so mostly allergy sets the GRM never
     saw): the GRM says A1 violate on that turn in at least 16 of 30. The first GRM caught none
     (0 of 35); stages 1–3 caught 6–8 of an earlier draw of 30, stage 4 20 of another; stage 5
-    caught 18 of this one (the near misses' kinds changed the draw), the shipped stage 6 passes the
-    same bar — short of the 95% target on edits made to be hard: the A1 misses are orders the diner never agreed to, where
-    it copies both lists right and writes `safe` (PROVENANCE.md)."""
-    rng = random.Random(5)
-    cases = []
-    for traj, pc, _ in calibration_set(400, seed=91, policy=None, long_share=0.25):
-        if not pc.dimensions.get("allergies"):
-            continue
-        edited = near_miss(traj, pc, rng)
-        if edited is None or edited[1] not in ("allergen", "allergen-order"):
-            continue
-        bad = [
-            v.turn
-            for v in judge(edited[0], pc).verdicts
-            if v.clause == "A1" and v.verdict == "violate"
-        ]
-        if bad:
-            cases.append((edited[0], pc, bad[0]))
-        if len(cases) == 30:
-            break
-    assert len(cases) == 30
-    reviews = grm.review([t for t, _, _ in cases], [pc for _, pc, _ in cases])
-    caught = sum(
-        any(v.turn == turn and v.clause == "A1" and v.verdict == "violate" for v in r.verdicts)
-        for r, (_, _, turn) in zip(reviews, cases, strict=True)
+    caught 18 of this one (the near misses' kinds changed the draw), the shipped stage 6 passes
+    the same bar — short of the 95% target on edits made to be hard: the A1 misses are orders the
+    diner never agreed to, where it copies both lists right and writes `safe` (PROVENANCE.md)."""
+    caught = _caught(
+        grm,
+        "A1",
+        ("allergen", "allergen-order"),
+        30,
+        seed=91,
+        rng_seed=5,
+        long_share=0.25,
+        diners=lambda pc: bool(pc.dimensions.get("allergies")),
     )
     assert caught >= 16, caught
 
@@ -74,29 +90,10 @@ def test_catches_allergen_violations(grm):
 def test_catches_a_refused_dish_offered_again(grm):
     """Held-out dialogues edited so that a dish the diner refused is named again on later turns
     (the `refused` near miss): the GRM says A4 violate on the first such turn in at least 16 of
-    20 (stage 5: 19). Stage 4 copied its own earlier line about the dish (`not refused`, right when written) and
-    caught 26% of A4 violations in calibration; stage 5 was trained on such runs (PROVENANCE.md)."""
-    rng = random.Random(6)
-    cases = []
-    for traj, pc, _ in calibration_set(400, seed=92, policy=None, long_share=0.5):
-        edited = near_miss(traj, pc, rng)
-        if edited is None or edited[1] != "refused":
-            continue
-        bad = [
-            v.turn
-            for v in judge(edited[0], pc).verdicts
-            if (v.clause, v.verdict) == ("A4", "violate")
-        ]
-        if bad:
-            cases.append((edited[0], pc, bad[0]))
-        if len(cases) == 20:
-            break
-    assert len(cases) == 20
-    reviews = grm.review([t for t, _, _ in cases], [pc for _, pc, _ in cases])
-    caught = sum(
-        any(v.turn == turn and v.clause == "A4" and v.verdict == "violate" for v in r.verdicts)
-        for r, (_, _, turn) in zip(reviews, cases, strict=True)
-    )
+    20 (stage 5: 19). Stage 4 copied its own earlier line about the dish (`not refused`, right
+    when written) and caught 26% of A4 violations in calibration; stage 5 was trained on such
+    runs (PROVENANCE.md)."""
+    caught = _caught(grm, "A4", ("refused",), 20, seed=92, rng_seed=6, long_share=0.5)
     assert caught >= 16, caught
 
 
@@ -116,25 +113,5 @@ def test_catches_a_message_one_word_over_its_limit(grm):
     read the count on the turn and the limit in the header, up to 2,000 tokens back, and caught
     39% of all T3 violations in calibration; stage 6 reads them side by side (`31 words max 30`)
     and catches 88% — its misses are messages a few words over (PROVENANCE.md)."""
-    rng = random.Random(7)
-    cases = []
-    for traj, pc, _ in calibration_set(400, seed=93, policy=None, long_share=0.5):
-        edited = near_miss(traj, pc, rng)
-        if edited is None or edited[1] != "length":
-            continue
-        bad = [
-            v.turn
-            for v in judge(edited[0], pc).verdicts
-            if (v.clause, v.verdict) == ("T3", "violate")
-        ]
-        if bad:
-            cases.append((edited[0], pc, bad[0]))
-        if len(cases) == 20:
-            break
-    assert len(cases) == 20
-    reviews = grm.review([t for t, _, _ in cases], [pc for _, pc, _ in cases])
-    caught = sum(
-        any(v.turn == turn and v.clause == "T3" and v.verdict == "violate" for v in r.verdicts)
-        for r, (_, _, turn) in zip(reviews, cases, strict=True)
-    )
+    caught = _caught(grm, "T3", ("length",), 20, seed=93, rng_seed=7, long_share=0.5)
     assert caught >= 14, caught
