@@ -9,7 +9,8 @@ tasks and profiles:
 
 - **agreement** over all cells and over *decided* cells (where the judge says pass or violate:
   the cells that carry reward), Cohen's kappa, and per clause the confusion matrix and the
-  **recall of each verdict** — for an axiom, the share of its violations the GRM catches;
+  **recall of each verdict** — for an axiom, the share of its violations the GRM catches — and
+  the violations caught per kind of turn (a message, an order, …), which says where misses sit;
 - **parse rate**: reviews whose every verdict was produced (a masked verdict is a disagreement);
 - **stability under rewordings**: a harmless sentence of the held-out rewordings added to one agent
   message; the share of the *other* turns' verdicts that change (a reviewer that moves when nothing
@@ -108,6 +109,12 @@ class CalibrationReport(BaseModel):
     by_source: dict[str, dict[str, float]] = Field(
         default_factory=dict, description="Agreement per data source (scripted agent, policy)."
     )
+    violations_by_turn: dict[str, dict[str, list[int]]] = Field(
+        default_factory=dict,
+        description="Per clause and kind of reviewed turn (`say`: a message to the diner; a "
+        "tool's name: `order`, `allergens`, `search`), [violations caught, violations]: where "
+        "a clause's misses sit (`violations_by_turn`).",
+    )
     command: str = ""
 
     def clause(self, cid: str) -> ClauseAgreement | None:
@@ -132,6 +139,10 @@ class CalibrationReport(BaseModel):
             f"parse failures: {self.parse_failure_rate:.1%} of {self.reviews} reviews; "
             f"masked cells: {self.masked_rate:.2%}"
         )
+        for clause, kinds in self.violations_by_turn.items():
+            if any(caught < n for caught, n in kinds.values()):
+                split = ", ".join(f"{k} {c}/{n}" for k, (c, n) in sorted(kinds.items()))
+                lines.append(f"{clause} violations caught, by turn: {split}")
         for k, v in self.voting.items():
             lines.append(f"voting {k}: {pct(v)}")
         return "\n".join(lines)
@@ -223,6 +234,30 @@ def agreement(
         masked_rate=_share(masked, cells),
         clauses=clauses,
     )
+
+
+def violations_by_turn(
+    grm: Sequence[Review], reference: Sequence[Review], trajectories: Sequence[Trajectory]
+) -> dict[str, dict[str, list[int]]]:
+    """Per clause and kind of reviewed turn, `[caught, violations]`: of the reference's
+    violations at turns of that kind, how many the GRM also called violations.
+
+    The kind is the turn's action: `say` for a message to the diner, else the tool it calls
+    (`order`, `allergens`, `search`). An axiom's recall can hide where its misses sit: A1 breaks
+    on recommendations (messages) and on orders, and a reviewer may catch one and not the other.
+    """
+    out: dict[str, dict[str, list[int]]] = {}
+    for g, ref, traj in zip(grm, reference, trajectories, strict=True):
+        mine = g.table()
+        for v in ref.verdicts:
+            if v.verdict != "violate" or v.turn >= len(traj.turns):
+                continue
+            action = traj.turns[v.turn].action
+            kind = action.tool or action.kind
+            cell = out.setdefault(v.clause, {}).setdefault(kind, [0, 0])
+            cell[0] += mine.get((v.turn, v.clause)) == "violate"
+            cell[1] += 1
+    return {c: out[c] for c in sorted(out)}
 
 
 def confusion_table(report: CalibrationReport) -> str:
@@ -715,6 +750,7 @@ def grm_calibrate_main(
     greedy_s = time.perf_counter() - t0
     report = agreement(greedy, refs)
     report.by_source = _by_source(greedy, refs, sources)
+    report.violations_by_turn = violations_by_turn(greedy, refs, trajs)
     command = f"kitchen grm calibrate --n {n} --votes {votes} --perturb {perturb}"
     if tuple(temperatures) != TEMPERATURES:
         command += f" --temperatures {','.join(f'{t:g}' for t in temperatures)}"

@@ -20,6 +20,7 @@ from kitchen.calibrate import (
     load_grm_recipe,
     perturbation_report,
     targets,
+    violations_by_turn,
 )
 from kitchen.config import KitchenError
 from kitchen.critique import parse_review
@@ -218,6 +219,7 @@ def test_calibrate_main_writes_every_section(tmp_path, capsys):
         assert needle in text
     rep = json.loads(out.read_text())
     assert rep["judge"]["reviews"] == 3 and rep["perturbation"]["attack"]["flagged"] == 1.0
+    assert "violations_by_turn" in rep["judge"]
     for key, value in rep["judge"]["voting"].items():
         assert value is None or 0.0 <= value <= 1.0, key
     assert rep["human"]["cells"] == 1 and rep["judge_vs_human"]["accuracy"] == 1.0
@@ -240,3 +242,31 @@ def test_parse_failures_count_against_the_reviewer():
     broken = parse_review("", turns=range(len(traj.turns)), clauses=pc.ids)
     assert agreement([broken], [judge(traj, pc)]).accuracy == 0.0
     assert flags(traj) == []
+
+
+def test_violations_by_turn_split_the_recall_by_the_turns_action():
+    """Every violation of the judge lands in one (clause, kind of turn) cell; a reviewer that
+    passes every order but catches the rest is caught out on `order` alone."""
+    triples = calibration_set(12, seed=3, policy=None, long_share=0.5)
+    trajs = [t for t, _, _ in triples]
+    refs = [judge(t, pc) for t, pc, _ in triples]
+    perfect = violations_by_turn(refs, refs, trajs)
+    total = sum(v.verdict == "violate" for r in refs for v in r.verdicts)
+    assert sum(n for kinds in perfect.values() for _, n in kinds.values()) == total > 0
+    assert all(c == n for kinds in perfect.values() for c, n in kinds.values())
+    assert any("order" in kinds for kinds in perfect.values())
+
+    def blind_to_orders(ref, traj):
+        def verdict(v):
+            if v.verdict == "violate" and traj.turns[v.turn].action.tool == "order":
+                return v.model_copy(update={"verdict": "pass"})
+            return v
+
+        return ref.model_copy(update={"verdicts": [verdict(v) for v in ref.verdicts]})
+
+    split = violations_by_turn(
+        [blind_to_orders(r, t) for r, t in zip(refs, trajs, strict=True)], refs, trajs
+    )
+    for clause, kinds in split.items():
+        for kind, (caught, n) in kinds.items():
+            assert caught == (0 if kind == "order" else n), (clause, kind)
