@@ -189,6 +189,7 @@ def _eval(args: argparse.Namespace) -> int:
         long_share=args.long,
         guard=args.guard,
         out=args.out,
+        profile_swap_n=args.profile_swap,
     )
 
 
@@ -384,6 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--guard", action="store_true", help="also play the policy behind the axiom guard"
     )
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON")
+    p.add_argument(
+        "--profile-swap",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also: on the first N held-out SFT dialogues, the words of each policy's first "
+        "recommendation with only the diner's verbosity changed (does it read the profile?)",
+    )
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("cook", help="run a training recipe: rollouts, GRM, buffer, MAPO, eval")

@@ -10,7 +10,9 @@ and four checks that must hold together:
 2. **clause compliance** per clause, with axiom violations counted separately (the goal is 0);
 3. **personalisation** — for the same tasks, behaviour differs across profiles as their clauses
    ask: words per message for brief vs detailed diners, small talk before the recommendation for
-   hurried vs relaxed diners, asking for the cuisine on ambiguous requests;
+   hurried vs relaxed diners, asking for the cuisine on ambiguous requests; and, before any
+   RL, whether a policy reads the profile at all (`profile_swap`: the same dialogue, only the
+   diner's verbosity changed, `kitchen eval --profile-swap N`);
 4. **reward-hacking monitor** — the gap between the GRM's reward and the judge's reward for the
    same trajectories (computed by the trainer every iteration, see `reward_gap`).
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -306,6 +309,86 @@ GROUP_CLAUSES = (
 )
 
 
+def first_recommendation(messages: Sequence[dict[str, Any]]) -> int | None:
+    """Index of a dialogue's first recommendation: the first assistant message to the diner
+    (not a tool call) that answers a tool result; None if there is none."""
+    for i, m in enumerate(messages):
+        if (
+            i > 2
+            and m.get("role") == "assistant"
+            and not str(m.get("content", "")).startswith("@")
+            and messages[i - 1].get("role") == "tool"
+        ):
+            return i
+    return None
+
+
+def with_dimension(system: str, dimension: str, value: str) -> str:
+    """The policy's system prompt with the profile's `dimension=` set to `value`, the rest as is.
+    `KitchenError` when the prompt does not show that dimension."""
+    pattern = re.compile(rf"\b{re.escape(dimension)}=[\w-]+")
+    if not pattern.search(system):
+        shown = ", ".join(re.findall(r"(\w+)=", system)) or "none"
+        raise KitchenError(
+            f"the system prompt shows no `{dimension}=`; the profile dimensions it shows are "
+            f"{shown}"
+        )
+    return pattern.sub(f"{dimension}={value}", system)
+
+
+def profile_swap(
+    policy: tuple[Any, Any],
+    dialogues: Sequence[dict[str, Any]],
+    *,
+    dimension: str = "verbosity",
+    values: Sequence[str] = ("brief", "normal", "detailed"),
+    samples: int = 4,
+    max_new_tokens: int = 60,
+) -> dict[str, dict[str, float]]:
+    """Does the policy read the diner's profile? Each dialogue (a chat row of `kitchen world
+    sft-data`) is cut before its first recommendation; the policy writes that message with the
+    system prompt's `dimension=` set to each of `values` in turn, everything else the same,
+    `samples` times at temperature 1 (seeds 0, 1, …).
+
+    Returns `{"policy": {value: mean words}, "data": {value: mean words}}`: the policy's words per
+    swapped value, and the data's own first recommendations grouped by the value their diner had
+    (what the policy was trained to do). A policy that ignores the profile writes the same length
+    for every value; the data shows how far apart they should be.
+    """
+    from kitchen.models import reply
+
+    model, tok = policy
+    words: dict[str, list[int]] = {v: [] for v in values}
+    data: dict[str, list[int]] = {}
+    for row in dialogues:
+        msgs = row["messages"]
+        cut = first_recommendation(msgs)
+        if cut is None:
+            continue
+        own = re.search(rf"\b{re.escape(dimension)}=([\w-]+)", msgs[0]["content"])
+        if own:
+            data.setdefault(own.group(1), []).append(word_count(msgs[cut]["content"]))
+        for value in values:
+            system = {
+                "role": "system",
+                "content": with_dimension(msgs[0]["content"], dimension, value),
+            }
+            for seed in range(samples):
+                text = reply(
+                    model,
+                    tok,
+                    [system, *msgs[1:cut]],
+                    temperature=1.0,
+                    seed=seed,
+                    max_new_tokens=max_new_tokens,
+                )
+                words[value].append(word_count(text))
+    return {
+        "policy": {v: mean(xs) for v, xs in words.items()},
+        "data": {v: mean(data.get(v, [])) for v in values},
+    }
+
+
 def ratio_interval(
     pairs: Sequence[tuple[float, float]], n: int = 2000, seed: int = 0, level: float = 0.95
 ) -> tuple[float, float, float]:
@@ -532,12 +615,16 @@ def eval_main(
     long_share: float | None = None,
     guard: bool = False,
     out: str | None = None,
+    profile_swap_n: int | None = None,
 ) -> int:
     """`kitchen eval --policy PATH [--baseline PATH] [--tasks N] [--samples K] [--seed S]
-    [--long SHARE] [--guard] [--out FILE]`: play the held-out set, judge it by rules, print the
-    table.
+    [--long SHARE] [--guard] [--out FILE] [--profile-swap N]`: play the held-out set, judge it by
+    rules, print the table.
 
     Omitted numbers take `EvalConfig`'s defaults. `--out` also writes the report as JSON.
+    `--profile-swap N` adds `profile_swap` on the first N held-out SFT dialogues
+    (`data/sft/eval.jsonl`): does each policy's first recommendation change length with the
+    diner's verbosity alone?
     Model paths are what `kitchen.models.load_model` accepts (a folder, or a hub name). Every
     argument is checked before anything is played (`eval_args`).
     """
@@ -554,11 +641,23 @@ def eval_main(
         seed=seed,
         long_share=long_share,
         out=out,
+        profile_swap_n=profile_swap_n,
     )
     start = time.perf_counter()
     pol = load_model(ModelSpec(path=policy))
     base = load_model(ModelSpec(path=baseline)) if baseline else None
     report, _ = evaluate(pol, cfg, base, with_guard=guard, progress=True)
+    swaps: dict[str, Any] = {}
+    if profile_swap_n:
+        from itertools import islice
+
+        from kitchen import paths
+        from kitchen.files import read_jsonl
+
+        rows = list(islice(read_jsonl(paths.DATA / "sft" / "eval.jsonl"), profile_swap_n))
+        for name, model in (("policy", pol), ("baseline", base)):
+            if model is not None:
+                swaps[name] = profile_swap(model, rows)
     seconds = time.perf_counter() - start
     names = {"policy": policy}
     if baseline:
@@ -567,15 +666,23 @@ def eval_main(
     command += f" --tasks {cfg.tasks} --samples {cfg.samples} --seed {cfg.seed}"
     command += f" --long {cfg.long_share:g}" if cfg.long_share else ""
     command += " --guard" if guard else ""
+    command += f" --profile-swap {profile_swap_n}" if profile_swap_n else ""
     print(
         f"held-out evaluation: {cfg.tasks} tasks × {cfg.samples} samples, seed {cfg.seed}, "
         f"judged by rules ({seconds:.0f} s)"
     )
     print(format_report(report, names))
-    if out:
-        atomic_write_json(
-            out, json_ready(report.model_dump(mode="json") | {"command": command, "names": names})
+    for name, swap in swaps.items():
+        print(
+            f"{name}: words of the first recommendation with only the diner's verbosity changed "
+            f"({profile_swap_n} held-out SFT dialogues × 4 samples): "
+            + ", ".join(f"{v} {show(w, '.1f')}" for v, w in swap["policy"].items())
+            + "; the data's own: "
+            + ", ".join(f"{v} {show(w, '.1f')}" for v, w in swap["data"].items())
         )
+    if out:
+        extra = {"command": command, "names": names} | ({"profile_swap": swaps} if swaps else {})
+        atomic_write_json(out, json_ready(report.model_dump(mode="json") | extra))
         print(f"report: {out}")
     return 0
 
@@ -592,6 +699,7 @@ def eval_args(
     seed: int | None = None,
     long_share: float | None = None,
     out: str | None = None,
+    profile_swap_n: int | None = None,
 ) -> EvalConfig:
     """`kitchen eval`'s arguments checked before any model loads: the numbers as `EvalConfig`
     bounds them, the model paths as checkpoints (a local folder, or a hub name), `--out` as a
@@ -627,6 +735,15 @@ def eval_args(
             find_checkpoint(str(path))
         except KitchenError as e:
             problems += [Problem(where, None, flag, p.message) for p in e.problems]
+    if profile_swap_n is not None and not 1 <= profile_swap_n <= 10_000:
+        problems.append(
+            Problem(
+                where,
+                None,
+                "--profile-swap",
+                f"give a number of dialogues from 1 to 10000 (got {profile_swap_n})",
+            )
+        )
     if out:
         target = Path(out)
         if target.is_dir():

@@ -164,11 +164,17 @@ def test_eval_arguments_are_checked_before_anything_plays(tmp_path):
 
     with pytest.raises(KitchenError) as e:
         eval_args(
-            "data/models/nope", tasks=0, samples=10**6, seed=-1, out=str(tmp_path / "no" / "r.json")
+            "data/models/nope",
+            tasks=0,
+            samples=10**6,
+            seed=-1,
+            out=str(tmp_path / "no" / "r.json"),
+            profile_swap_n=0,
         )
     assert sorted(p.where for p in e.value.problems) == [
         "--out",
         "--policy",
+        "--profile-swap",
         "--samples",
         "--seed",
         "--tasks",
@@ -176,3 +182,46 @@ def test_eval_arguments_are_checked_before_anything_plays(tmp_path):
     assert all(p.path == "kitchen eval" for p in e.value.problems)
     cfg = eval_args("data/models/policy-tiny", tasks=3, out=str(tmp_path / "r.json"))
     assert cfg.tasks == 3 and cfg.samples == EvalConfig().samples
+
+
+def test_profile_swap_changes_only_the_dimension_and_counts_the_datas_own_words():
+    """The swap rewrites one `dimension=` of the system prompt and nothing else (a prompt without
+    it is a clear error); each dialogue is cut before its first recommendation; the data's words
+    are the recommendations' own, grouped by their diner's value; the policy's are finite."""
+    from kitchen import paths
+    from kitchen.config import KitchenError
+    from kitchen.evaluate import first_recommendation, profile_swap, with_dimension
+    from kitchen.files import read_jsonl
+    from kitchen.models import ModelSpec, load_model
+    from kitchen.world import word_count
+
+    system = "Concierge. Diner: verbosity=brief, pace=hurried, diet=any, allergies=egg."
+    assert with_dimension(system, "verbosity", "detailed") == system.replace("brief", "detailed")
+    assert with_dimension(system, "pace", "relaxed") == system.replace("hurried", "relaxed")
+    with pytest.raises(KitchenError, match="no `mood=`.*verbosity, pace, diet, allergies"):
+        with_dimension(system, "mood", "happy")
+
+    rows = []
+    for row in read_jsonl(paths.DATA / "sft" / "eval.jsonl"):
+        if first_recommendation(row["messages"]) is not None:
+            rows.append(row)
+        if len(rows) == 2:
+            break
+    cut = first_recommendation(rows[0]["messages"])
+    said = rows[0]["messages"][cut]
+    assert said["role"] == "assistant" and not said["content"].startswith("@")
+    assert rows[0]["messages"][cut - 1]["role"] == "tool"
+    assert first_recommendation([{"role": "system", "content": system}]) is None
+
+    policy = load_model(ModelSpec(path=str(paths.DATA / "models" / "policy-tiny")))
+    out = profile_swap(policy, rows, values=("brief", "detailed"), samples=1, max_new_tokens=24)
+    assert set(out["policy"]) == {"brief", "detailed"}
+    assert all(0 <= w <= 24 for w in out["policy"].values())  # NaN fails too
+    own: dict[str, list[int]] = {}
+    for row in rows:
+        value = row["messages"][0]["content"].split("verbosity=")[1].split(",")[0]
+        text = row["messages"][first_recommendation(row["messages"])]["content"]
+        own.setdefault(value, []).append(word_count(text))
+    for value, words in own.items():
+        if value in out["data"]:
+            assert out["data"][value] == pytest.approx(sum(words) / len(words))
