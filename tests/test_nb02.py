@@ -33,6 +33,16 @@ def test_the_shipped_policy_plays_valid_actions(defs):
     assert valid >= 0.8
 
 
+def test_the_profile_swap_shows_the_policy_and_the_data_per_verbosity(defs):
+    """The profile-swap cell ran: one row per verbosity, the policy's words finite for each (it
+    wrote every first recommendation), and the data's own detailed recommendations longer than
+    its brief ones (what the policy was trained to do)."""
+    swap, table = defs["swap"], defs["swap_table"]
+    assert table["verbosity"].to_list() == ["brief", "normal", "detailed"]
+    assert all(0 < w < 60 for w in swap["policy"].values())
+    assert swap["data"]["detailed"] > swap["data"]["brief"]
+
+
 def test_sft_data_statistics_cover_the_shipped_data(defs):
     """The statistics read every dialogue of the shipped SFT data."""
     stats, actions = defs["data_stats"], defs["sft_actions"]
