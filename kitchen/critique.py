@@ -81,7 +81,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kitchen.constitution import PersonalConstitution
-from kitchen.judge import replay
+from kitchen.judge import max_words, min_words, replay
 from kitchen.review import ClauseVerdict, Review
 from kitchen.world import (
     AGREE_RE,
@@ -351,9 +351,9 @@ def length(text: str, pc: Any = None) -> str:
     limit in the header, up to 2,000 tokens back (measured: 39% of T3 violations caught that
     way). The judgement (is n over m?) stays the GRM's. Without `pc` the judge's defaults."""
     params = {c.id: c.params for c in pc.clauses} if pc is not None else {}
-    out = f"{word_count(text)} words max {params.get('T3', {}).get('max_words', 30)}"
+    out = f"{word_count(text)} words max {max_words(params)}"
     if "T6" in params:
-        out += f" min {params['T6'].get('min_words', 12)}"
+        out += f" min {min_words(params)}"
     return out
 
 

@@ -61,7 +61,7 @@ from kitchen.critique import (
 )
 from kitchen.files import atomic_write_json, jsonl_rows, read_jsonl, write_jsonl
 from kitchen.injection import attacks, message_turns, rewordings, with_text
-from kitchen.judge import judge
+from kitchen.judge import judge, max_words, min_words
 from kitchen.review import ClauseVerdict, Review, overall_from
 from kitchen.world import Menu, Trajectory, load_menu, word_count
 
@@ -243,9 +243,9 @@ def near_miss(
         t = rng.choice(says)
         limits = []
         if "T3" in params:
-            limits += [params["T3"].get("max_words", 30), params["T3"].get("max_words", 30) + 1]
+            limits += [max_words(params), max_words(params) + 1]
         if "T6" in params and t.dish is not None:
-            least = params["T6"].get("min_words", 12)
+            least = min_words(params)
             limits += [least - 1, least]
         if not limits:
             return None
