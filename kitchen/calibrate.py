@@ -250,7 +250,7 @@ def violations_by_turn(
     for g, ref, traj in zip(grm, reference, trajectories, strict=True):
         mine = g.table()
         for v in ref.verdicts:
-            if v.verdict != "violate" or v.turn >= len(traj.turns):
+            if v.verdict != "violate":
                 continue
             action = traj.turns[v.turn].action
             kind = action.tool or action.kind

@@ -323,10 +323,15 @@ def first_recommendation(messages: Sequence[dict[str, Any]]) -> int | None:
     return None
 
 
+def _shown(dimension: str) -> re.Pattern[str]:
+    """`<dimension>=<value>` as the policy's system prompt shows a profile dimension."""
+    return re.compile(rf"\b{re.escape(dimension)}=([\w-]+)")
+
+
 def with_dimension(system: str, dimension: str, value: str) -> str:
     """The policy's system prompt with the profile's `dimension=` set to `value`, the rest as is.
     `KitchenError` when the prompt does not show that dimension."""
-    pattern = re.compile(rf"\b{re.escape(dimension)}=[\w-]+")
+    pattern = _shown(dimension)
     if not pattern.search(system):
         shown = ", ".join(re.findall(r"(\w+)=", system)) or "none"
         raise KitchenError(
@@ -365,7 +370,7 @@ def profile_swap(
         cut = first_recommendation(msgs)
         if cut is None:
             continue
-        own = re.search(rf"\b{re.escape(dimension)}=([\w-]+)", msgs[0]["content"])
+        own = _shown(dimension).search(msgs[0]["content"])
         if own:
             data.setdefault(own.group(1), []).append(word_count(msgs[cut]["content"]))
         for value in values:
@@ -657,7 +662,7 @@ def eval_main(
         rows = list(islice(read_jsonl(paths.DATA / "sft" / "eval.jsonl"), profile_swap_n))
         for name, model in (("policy", pol), ("baseline", base)):
             if model is not None:
-                swaps[name] = profile_swap(model, rows)
+                swaps[name] = profile_swap(model, rows, samples=SWAP_SAMPLES)
     seconds = time.perf_counter() - start
     names = {"policy": policy}
     if baseline:
@@ -675,7 +680,7 @@ def eval_main(
     for name, swap in swaps.items():
         print(
             f"{name}: words of the first recommendation with only the diner's verbosity changed "
-            f"({profile_swap_n} held-out SFT dialogues × 4 samples): "
+            f"({profile_swap_n} held-out SFT dialogues × {SWAP_SAMPLES} samples): "
             + ", ".join(f"{v} {show(w, '.1f')}" for v, w in swap["policy"].items())
             + "; the data's own: "
             + ", ".join(f"{v} {show(w, '.1f')}" for v, w in swap["data"].items())
@@ -687,6 +692,7 @@ def eval_main(
     return 0
 
 
+SWAP_SAMPLES = 4  # `kitchen eval --profile-swap`: samples per dialogue and verbosity
 FLAGS = {"long_share": "long"}  # EvalConfig field → `kitchen eval` flag
 
 
