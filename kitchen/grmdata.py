@@ -16,7 +16,8 @@ violations caught). This module builds data where every (clause, verdict) cell i
    detail — a message padded or cut to exactly the word limit or one word past it, a dish swapped
    for another one allergen away in a recommendation or an order (or one no search returned, or
    one the diner refused earlier, named again on up to three later turns, or in a meal a second
-   dish of a course already ordered),
+   dish of a course already ordered, or — `checked_orders` — an order and the allergen check
+   before it both renamed to an unrefused dish that holds the diner's allergen),
    an allergen check of a *different* dish, a confirmation naming a different dish, a request for
    a phone number slipped into a message. Edits are made in place (the diner's answer is
    kept), and the rule judge labels the edited dialogue, so labels stay exact. Edits also break the
@@ -182,10 +183,15 @@ def _neighbours(dish: Any, candidates: Iterable[Any], allergies: Sequence[str]) 
 
 
 def near_miss(
-    traj: Trajectory, pc: PersonalConstitution, rng: random.Random, menu: Menu | None = None
+    traj: Trajectory,
+    pc: PersonalConstitution,
+    rng: random.Random,
+    menu: Menu | None = None,
+    checked_orders: int = 0,
 ) -> tuple[Trajectory, str] | None:
     """One near-miss edit of `traj` (see the module docstring) and its name, or None if no edit
-    applies to this dialogue."""
+    applies to this dialogue. `checked_orders` is the weight of the `checked-order` edit among
+    the others (0: never drawn, as in the recipes written before it)."""
     from kitchen.judge import replay
 
     menu = menu or load_menu()
@@ -199,6 +205,9 @@ def near_miss(
     late = [t for t in named if t.rejected - {t.dish.name}]  # a dish was refused before this turn
     orders = [t for t in named if t.tool == "order"]
     reorders = [t for t in orders if t.courses and t.served]  # a course was ordered before
+    # orders of a dish the agent checked and the diner did not refuse: in the scripted data such
+    # an order is safe 98% of the time, so a reviewer learns `checked` as `safe`
+    vetted = [t for t in orders if allergies and t.dish.name in t.checked - t.rejected]
     options = []
     if says:
         options += ["length", "pii"]
@@ -212,6 +221,8 @@ def near_miss(
         options.append("check")
     if late and not refused:
         options += ["refused"] * 3
+    if vetted:
+        options += ["checked-order"] * checked_orders
     if not options:
         return None
     kind = rng.choice(options)
@@ -251,6 +262,8 @@ def near_miss(
             return None
         out = resize(traj, t.index, max(1, rng.choice(limits)), menu)
         return (out, "length") if out is not None else None
+    if kind == "checked-order":
+        return _checked_order(traj, rng.choice(vetted), checks, allergies, rng, menu)
     if kind == "check":
         t = rng.choice(checks)
         others = [d for d in menu.dishes if d.cuisine == t.dish.cuisine and d.name != t.dish.name]
@@ -264,6 +277,38 @@ def near_miss(
     if not near:
         return None
     return swap_dish(traj, t.index, rng.choice(near), menu), kind
+
+
+def _checked_order(
+    traj: Trajectory,
+    t: Any,
+    checks: Sequence[Any],
+    allergies: Sequence[str],
+    rng: random.Random,
+    menu: Menu,
+) -> tuple[Trajectory, str] | None:
+    """The `checked-order` edit: the order at turn `t` and the dish's last allergen check before
+    it both name a dish that holds one of the diner's allergies (of the same course in a meal,
+    returned by a search when one is, never refused) — checked, unrefused and unsafe, the case
+    the scripted agents never play (they order only what their check found safe)."""
+    check = max(
+        (c for c in checks if c.dish.name == t.dish.name and c.index < t.index),
+        key=lambda c: c.index,
+        default=None,
+    )
+    unsafe = [
+        d
+        for d in menu.dishes
+        if set(d.allergens) & set(allergies)
+        and d.name not in t.rejected
+        and (not t.courses or d.course == t.dish.course)
+    ]
+    unsafe = [d for d in unsafe if d.name in t.returned] or unsafe
+    if check is None or not unsafe:
+        return None
+    dish = rng.choice(unsafe)
+    out = swap_dish(swap_dish(traj, check.index, dish, menu), t.index, dish, menu)
+    return out, "checked-order"
 
 
 def adversarial(
@@ -538,13 +583,15 @@ def pool(
     adversarial_share: float = 0.0,
     long_share: float | None = None,
     variants: float = 0.0,
+    checked_orders: int = 0,
 ) -> list[Example]:
     """`n` scripted dialogues of `split` shared among the agents of `mix`, plus the policy
     samples given, each edited into a near miss with probability `near_misses` or given an
     attack or rewording of the split's half of the corpus with probability `adversarial_share`.
     A near-miss dialogue gets one to three edits (on turns drawn independently), since one
     dialogue holds many passes of a clause for each violation. `variants` of the scripted
-    dialogues have a synthetic diner (`kitchen.jobs.pair_jobs`). Sources read `grm`, `sft`,
+    dialogues have a synthetic diner (`kitchen.jobs.pair_jobs`). `checked_orders` weighs the
+    `checked-order` edit (`near_miss`). Sources read `grm`, `sft`,
     `ideal`, `policy`, with `+<edit>` for each kind of edit made."""
     from kitchen.scripted import GRM_QUIRKS, IDEAL_QUIRKS, SFT_QUIRKS, episodes
 
@@ -568,7 +615,7 @@ def pool(
         names = []
         if u < near_misses:  # one to three near misses on different turns
             for _ in range(rng.randint(1, 3)):
-                edit = near_miss(t, pc, rng)
+                edit = near_miss(t, pc, rng, checked_orders=checked_orders)
                 if edit is not None:
                     t, names = edit[0], [*names, edit[1]]
         elif u < near_misses + adversarial_share:
@@ -650,6 +697,14 @@ class GRMDataSettings(StrictModel):
         "training profile with its dimensions redrawn (kitchen.profile.variant), never a "
         "held-out diner's allergy set. 0: the split's own profiles only.",
     )
+    checked_orders: int = Field(
+        0,
+        ge=0,
+        le=10,
+        description="Weight of the `checked-order` near miss (an order of a checked, unrefused "
+        "dish that holds the diner's allergen) among the ~12 other edits; 0 (the recipes before "
+        "stage 7) never draws it.",
+    )
     policy: str | None = Field(
         None,
         description="A policy checkpoint whose rollouts on training tasks join the pool (e.g. "
@@ -723,6 +778,7 @@ def write_grm_data(
                 adversarial_share=s.adversarial,
                 long_share=s.long_share,
                 variants=s.variants,
+                checked_orders=s.checked_orders,
             )
         else:
             examples = pool(s.n_eval, split, s.seed + 1, s.mix, long_share=s.long_share)

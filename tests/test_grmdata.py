@@ -114,12 +114,12 @@ def test_an_order_near_miss_changes_one_order_and_can_break_a1(dialogues):
     assert seen > 5 and broke > 0, (seen, broke)
 
 
-def _edits(dialogues, kind, seed):
+def _edits(dialogues, kind, seed, **weights):
     """(before, after, changed turns) of every `kind` near miss drawn over `dialogues`."""
     rng = random.Random(seed)
     for traj, pc in dialogues:
         for _ in range(6):
-            edit = near_miss(traj, pc, rng)
+            edit = near_miss(traj, pc, rng, **weights)
             if edit is not None and edit[1] == kind:
                 out = edit[0]
                 changed = [
@@ -153,6 +153,26 @@ def test_a_reorder_near_miss_orders_a_course_again_and_breaks_t8(dialogues):
         assert judge(out, pc).table().get((changed[0], "T8")) == "violate"
         seen += 1
     assert seen > 3, seen
+
+
+def test_a_checked_order_near_miss_orders_a_checked_unsafe_dish_and_breaks_a1(dialogues):
+    """`checked-order` edits rename one `@order` and the dish's allergen check before it to one
+    dish that holds the diner's allergen and that the diner never refused: the agent checked it,
+    the diner did not object, and the order still breaks A1. Weight 0 never draws the edit."""
+    menu = load_menu()
+    seen = 0
+    for traj, pc, out, changed in _edits(dialogues, "checked-order", 8, checked_orders=3):
+        check, order = (out.turns[i].action for i in changed)
+        assert (check.tool, order.tool) == ("allergens", "order")
+        assert check.argument == order.argument != traj.turns[changed[1]].action.argument
+        dish = menu.find(order.argument)
+        assert set(dish.allergens) & set(pc.dimensions["allergies"])
+        reply = out.messages[out.turns[changed[0]].message + 1]["content"]
+        assert reply.startswith(dish.name) and all(a in reply for a in dish.allergens)
+        assert judge(out, pc).table()[(changed[1], "A1")] == "violate"
+        seen += 1
+    assert seen > 10, seen
+    assert not list(_edits(dialogues, "checked-order", 8))
 
 
 def test_adversarial_uses_one_half_of_the_corpus_and_one_message(dialogues):
