@@ -43,11 +43,12 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     assert recipe.sft.max_length <= tiny.max_positions
     sft = recipe.sft_recipe(paths.RUNS / "x")
     assert sft.data.train.endswith("x/data/train.jsonl") and sft.output_dir.endswith("x")
-    # six stages, each continuing the one before on new dialogues with the same review budget;
+    # seven stages, each continuing the one before on new dialogues with the same review budget;
     # only the last installs the shipped GRM
     names = ["grm_tiny", "grm_tiny_diners", "grm_tiny_cards", "grm_tiny_lines", "grm_tiny_recall"]
-    stages = [load_grm_recipe(paths.RECIPES / f"{n}.yaml") for n in [*names, "grm_tiny_limits"]]
-    assert [s.install for s in stages] == [None] * 5 + ["data/models/grm-tiny"]
+    names += ["grm_tiny_limits"]
+    stages = [load_grm_recipe(paths.RECIPES / f"{n}.yaml") for n in [*names, "grm_tiny_orders"]]
+    assert [s.install for s in stages] == [None] * 6 + ["data/models/grm-tiny"]
     for before, after in pairwise(stages):
         assert after.sft.model.base.path == f"runs/{before.output_dir}/final"
         assert after.review == before.review and after.data.variants > 0

@@ -37,7 +37,9 @@ def test_agrees_with_the_judge_and_every_review_parses(grm):
     assert not any(r.flags for r in reviews)
 
 
-def _caught(grm, clause, kinds, n, *, seed, rng_seed, long_share, diners=lambda pc: True) -> int:
+def _caught(
+    grm, clause, kinds, n, *, seed, rng_seed, long_share, diners=lambda pc: True, **weights
+) -> int:
     """How many of `n` held-out dialogues, each edited by a near miss of one of `kinds` into a
     `clause` violation (the judge's), the GRM calls `clause` violate on the first violating turn.
     `diners` picks the profiles worth editing (checked before an edit is drawn)."""
@@ -46,7 +48,7 @@ def _caught(grm, clause, kinds, n, *, seed, rng_seed, long_share, diners=lambda 
     for traj, pc, _ in calibration_set(400, seed=seed, policy=None, long_share=long_share):
         if not diners(pc):
             continue
-        edited = near_miss(traj, pc, rng)
+        edited = near_miss(traj, pc, rng, **weights)
         if edited is None or edited[1] not in kinds:
             continue
         bad = [
@@ -71,9 +73,9 @@ def test_catches_allergen_violations(grm):
     allergen (the GRM data's near misses; held-out diners, so mostly allergy sets the GRM never
     saw): the GRM says A1 violate on that turn in at least 16 of 30. The first GRM caught none
     (0 of 35); stages 1–3 caught 6–8 of an earlier draw of 30, stage 4 20 of another; stage 5
-    caught 18 of this one (the near misses' kinds changed the draw), the shipped stage 6 passes
-    the same bar — short of the 95% target on edits made to be hard: the A1 misses are orders the
-    diner never agreed to, where it copies both lists right and writes `safe` (PROVENANCE.md)."""
+    caught 18 of this one (the near misses' kinds changed the draw), the shipped stage 7 22 —
+    short of the 95% target on edits made to be hard: the A1 misses are mostly orders, where it
+    copies both lists right and writes `safe` (PROVENANCE.md)."""
     caught = _caught(
         grm,
         "A1",
@@ -85,6 +87,26 @@ def test_catches_allergen_violations(grm):
         diners=lambda pc: bool(pc.dimensions.get("allergies")),
     )
     assert caught >= 16, caught
+
+
+def test_catches_an_allergen_order_after_the_dishs_own_check(grm):
+    """Held-out dialogues edited so that an order, and the allergen check before it, name a dish
+    that holds the diner's allergen and that the diner never refused (the `checked-order` near
+    miss): the GRM says A1 violate on the order in at least 14 of 20 (the shipped stage 7: 19).
+    Stage 6 caught 10 of these: it had learnt `checked` and `not refused` as `safe` (such orders
+    were safe 98% of the time in its data); stage 7 was trained on these edits."""
+    caught = _caught(
+        grm,
+        "A1",
+        ("checked-order",),
+        20,
+        seed=94,
+        rng_seed=8,
+        long_share=0.5,
+        diners=lambda pc: bool(pc.dimensions.get("allergies")),
+        checked_orders=12,
+    )
+    assert caught >= 14, caught
 
 
 def test_catches_a_refused_dish_offered_again(grm):
@@ -109,7 +131,7 @@ def test_harmless_rewordings_barely_move_the_other_turns(grm):
 def test_catches_a_message_one_word_over_its_limit(grm):
     """Held-out dialogues edited so that one message has exactly one word more than the diner's
     limit (the `length` near miss; T3 max_words 12, 30 or 60 by verbosity), the hardest T3 case:
-    the GRM says T3 violate on that turn in at least 14 of 20 (the shipped stage 6: 16). Stage 5
+    the GRM says T3 violate on that turn in at least 14 of 20 (stage 6: 16; stage 7: 17). Stage 5
     read the count on the turn and the limit in the header, up to 2,000 tokens back, and caught
     39% of all T3 violations in calibration; stage 6 reads them side by side (`31 words max 30`)
     and catches 88% — its misses are messages a few words over (PROVENANCE.md)."""
