@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from kitchen import mapo, paths
-from kitchen.evaluate import first_recommendation, with_dimension
+from kitchen.evaluate import first_recommendation, with_profile
 from kitchen.files import read_jsonl
 from kitchen.models import LoraSpec, ModelSpec, load_model, token_logprobs
 from kitchen.world import word_count
@@ -62,9 +62,8 @@ def rendered(tok, dialogues: list[list[dict]], value: str) -> list[str]:
     """Each dialogue's prompt with the diner's verbosity set to `value`."""
     out = []
     for msgs in dialogues:
-        system = with_dimension(msgs[0]["content"], "verbosity", value)
-        chat = [{"role": "system", "content": system}]
-        chat += [{"role": m["role"], "content": m.get("content") or ""} for m in msgs[1:]]
+        chat = with_profile(msgs, "verbosity", value)
+        chat = [{"role": m["role"], "content": m.get("content") or ""} for m in chat]
         out.append(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     return out
 
@@ -123,11 +122,11 @@ def update(model, tok, opt, samples, advantages: torch.Tensor, agg: str, minibat
 
 def measure(model, tok, texts: dict[str, list[str]]) -> dict[str, float]:
     """Mean words per verbosity over the measurement dialogues (2 samples each, fixed seed)."""
-    return {
-        v: sum(w for *_, w in s) / len(s)
-        for v in VALUES
-        for s in [sample(model, tok, texts[v], 2, seed=10_000)]
-    }
+    out = {}
+    for v in VALUES:
+        got = sample(model, tok, texts[v], 2, seed=10_000)
+        out[v] = sum(w for *_, w in got) / len(got)
+    return out
 
 
 def run(args, mode: str) -> list[dict[str, float]]:

@@ -341,6 +341,15 @@ def with_dimension(system: str, dimension: str, value: str) -> str:
     return pattern.sub(f"{dimension}={value}", system)
 
 
+def with_profile(
+    messages: Sequence[dict[str, Any]], dimension: str, value: str
+) -> list[dict[str, Any]]:
+    """`messages` (system prompt first) with the profile's `dimension=` set to `value` in the
+    system prompt (`with_dimension`), every other message as is."""
+    system = {"role": "system", "content": with_dimension(messages[0]["content"], dimension, value)}
+    return [system, *messages[1:]]
+
+
 def profile_swap(
     policy: tuple[Any, Any],
     dialogues: Sequence[dict[str, Any]],
@@ -374,15 +383,12 @@ def profile_swap(
         if own:
             data.setdefault(own.group(1), []).append(word_count(msgs[cut]["content"]))
         for value in values:
-            system = {
-                "role": "system",
-                "content": with_dimension(msgs[0]["content"], dimension, value),
-            }
+            prompt = with_profile(msgs[:cut], dimension, value)
             for seed in range(samples):
                 text = reply(
                     model,
                     tok,
-                    [system, *msgs[1:cut]],
+                    prompt,
                     temperature=1.0,
                     seed=seed,
                     max_new_tokens=max_new_tokens,

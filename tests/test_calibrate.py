@@ -46,8 +46,8 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     # seven stages, each continuing the one before on new dialogues with the same review budget;
     # only the last installs the shipped GRM
     names = ["grm_tiny", "grm_tiny_diners", "grm_tiny_cards", "grm_tiny_lines", "grm_tiny_recall"]
-    names += ["grm_tiny_limits"]
-    stages = [load_grm_recipe(paths.RECIPES / f"{n}.yaml") for n in [*names, "grm_tiny_orders"]]
+    names += ["grm_tiny_limits", "grm_tiny_orders"]
+    stages = [load_grm_recipe(paths.RECIPES / f"{n}.yaml") for n in names]
     assert [s.install for s in stages] == [None] * 6 + ["data/models/grm-tiny"]
     for before, after in pairwise(stages):
         assert after.sft.model.base.path == f"runs/{before.output_dir}/final"
