@@ -100,9 +100,27 @@ SYSTEM = (
 )
 DELIMS = ("<|constitution|>", "<|/constitution|>")
 
-#: A turn's line: `t<k> <critique> => <verdicts>`.
-LINE = re.compile(r"^t(\d+) (.*?)\s*=>(.*)$")
+#: A turn's line: `t<k> <critique> => <verdicts>`; the verdicts follow the line's last `=>`.
+LINE = re.compile(r"^t(\d+) (.*)=>(.*)$")
 ENTRY = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]*)([+-])$")
+
+
+def read_line(raw: str) -> tuple[int, str, dict[str, str]] | None:
+    """One review line as `(turn, critique, {clause id: "+" or "-"})`, or None if unreadable:
+    no `t<k> … =>`, a line break inside, or a verdict entry that is not `<id>+` / `<id>-`.
+    The verdicts are what follows the line's *last* `=>`, so a critique that itself holds an
+    arrow still reads. The one definition of a readable line (`parse_review`, the GRM's
+    `LineGrammar`)."""
+    m = LINE.match(raw.strip())
+    if not m:
+        return None
+    entries: dict[str, str] = {}
+    for tok in m.group(3).split():
+        e = ENTRY.match(tok)
+        if e is None:
+            return None
+        entries[e.group(1)] = e.group(2)
+    return int(m.group(1)), m.group(2).strip(), entries
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,31 +516,21 @@ def parse_review(
     """Read review lines (one text, or one string per line; None for a line that was never
     written) into a `Review`. Never raises.
 
-    A turn without a readable `t<k> … => …` line is masked (verdict None) for every clause;
+    A turn without a readable line (`read_line`) is masked (verdict None) for every clause;
     entries naming unknown clauses are ignored; an active clause absent from a readable line is
-    n/a; a line whose verdict list has a malformed entry is unreadable. The first line of a turn
-    counts.
+    n/a. The first readable line of a turn counts.
     """
     clauses = list(clauses)
     known = set(clauses)
     raw_lines = (text or "").splitlines() if isinstance(text, str) else [x or "" for x in text]
     lines: dict[int, tuple[str, dict[str, str]]] = {}
     for raw in raw_lines:
-        m = LINE.match(raw.strip())
-        if not m:
+        read = read_line(raw)
+        if read is None or read[0] in lines:
             continue
-        entries: dict[str, str] = {}
-        ok = True
-        for tok in m.group(3).split():
-            e = ENTRY.match(tok)
-            if e is None:
-                ok = False
-                break
-            if e.group(1) in known:
-                entries[e.group(1)] = "pass" if e.group(2) == "+" else "violate"
-        t = int(m.group(1))
-        if ok and t not in lines:
-            lines[t] = (m.group(2).strip()[:300], entries)
+        t, why, signs = read
+        entries = {c: "pass" if s == "+" else "violate" for c, s in signs.items() if c in known}
+        lines[t] = (why[:300], entries)
     verdicts = []
     for t in turns:
         for c in clauses:

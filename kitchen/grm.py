@@ -14,9 +14,10 @@ tokens, as a policy rollout does. A model the engine cannot serve is reviewed wi
 
 What the pipeline adds around the model:
 
-- **Structure** (`LineStart`, `cfg.structured`): line k must start with `t<k> `, so the GRM
-  cannot skip, repeat or invent a turn; what a line says is the GRM's. Works with any tokenizer
-  (the vocabulary's strings are matched, not token ids).
+- **Structure** (`LineGrammar`, `cfg.structured`): line k must start with `t<k> `, so the GRM
+  cannot skip, repeat or invent a turn, and it may end a line only where the line is readable
+  (whole verdict entries after its last `=>`); what a line says is the GRM's. Works with any
+  tokenizer (the vocabulary's strings are matched, not token ids).
 - **Budgets** (`cfg.max_new_tokens` per line, `cfg.max_context_tokens` per conversation): a line
   cut by its budget is masked and *flagged* (`t<k>: review budget`), never silently dropped; a
   trajectory whose conversation does not fit is reviewed in windows (`critique.plan_windows`).
@@ -56,6 +57,7 @@ from kitchen.critique import (
     overall_of,
     parse_review,
     plan_windows,
+    read_line,
     review_turns,
     vote,
 )
@@ -127,9 +129,11 @@ class GRMConfig(StrictModel):
     )
     structured: bool = Field(
         True,
-        description="Constrain each review line to start with its turn's marker `t<k> ` (what a "
-        "line says stays the GRM's): a small GRM otherwise skips or repeats turns, which masks "
-        "their verdicts. Off: free generation (parse failures are then the model's alone).",
+        description="Constrain each review line to the review language (`LineGrammar`): it "
+        "starts with its turn's marker `t<k> ` and may end only where it is readable (what a "
+        "line says stays the GRM's). A small GRM otherwise skips or repeats turns, or ends a "
+        "line unreadably, which masks their verdicts. Off: free generation (parse failures are "
+        "then the model's alone).",
     )
     engine: Literal["fast", "generate"] = Field(
         "fast",
@@ -144,23 +148,41 @@ class GRMConfig(StrictModel):
 # Structure of a line
 
 
-class LineStart:
-    """Allowed next tokens for a review line that must start with `start` (e.g. `t3 `): while the
-    line is a proper prefix of `start`, only tokens that keep it one (or complete it) are
-    allowed; from then on, any token. Works with any tokenizer: the vocabulary's strings are
-    matched, not token ids."""
+class LineGrammar:
+    """The review line's grammar, `t<k> <critique> => <id>± <id>± …`, as allowed next tokens:
 
-    def __init__(self, vocab: Sequence[str]):
+    - **marker**: while the line is a proper prefix of `t<k> `, only tokens that keep it one (or
+      complete it);
+    - **body**: any token without a line break;
+    - **end** (`eos`): only where the line so far is readable (`critique.read_line`): it has an
+      `=>` and what follows its last one is whole verdict entries (or none).
+
+    So every line the GRM finishes is read whole, and one it cannot finish is cut by its budget
+    and flagged, never silently masked; what a line says (critique, clauses, signs) stays the
+    model's, and a critique may even hold an arrow of its own. Works with any tokenizer: the
+    vocabulary's strings are matched, not token ids.
+    """
+
+    def __init__(self, vocab: Sequence[str], eos: int | None = None):
         self.vocab = list(vocab)
+        self.eos = eos
         self.by_first: dict[str, list[int]] = {}
         for i, piece in enumerate(self.vocab):
             if piece:
                 self.by_first.setdefault(piece[0], []).append(i)
+        breaks = {i for i, p in enumerate(self.vocab) if "\n" in p}
+        self._open = [i for i in range(len(self.vocab)) if i not in breaks and i != eos]
+        self._may_end = self._open + ([eos] if eos is not None else [])
 
-    def allowed(self, start: str, written: str) -> list[int] | None:
-        """Token ids allowed after `written` (the line so far), or None (any)."""
-        if written.startswith(start) or not start.startswith(written):
-            return None
+    def allowed(self, start: str, written: str, whole: bool = True) -> list[int] | None:
+        """Token ids allowed after `written` (the line so far), or None (any). `whole=False`
+        enforces the marker only."""
+        if written.startswith(start):
+            if not whole:
+                return None
+            return self._may_end if read_line(written) is not None else self._open
+        if not start.startswith(written):
+            return None  # diverged (only without the constraint): free
         rest = start[len(written) :]
         out = [
             i
@@ -185,7 +207,7 @@ class GRM:
         self.menu = menu or load_menu()
         self.stats = Counter()
         self.tokens = PromptTokens(tokenizer)
-        self._line_start: LineStart | None = None
+        self._grammar: LineGrammar | None = None
         self.last_text: list[list[str]] = []  # the last call's raw lines, for notebooks
 
     @classmethod
@@ -290,10 +312,11 @@ class GRM:
 
     # -- the conversations --------------------------------------------------------------------
 
-    def _vocab(self) -> LineStart:
-        if self._line_start is None:
-            self._line_start = LineStart([self.tok.decode([i]) for i in range(len(self.tok))])
-        return self._line_start
+    def _vocab(self) -> LineGrammar:
+        if self._grammar is None:
+            vocab = [self.tok.decode([i]) for i in range(len(self.tok))]
+            self._grammar = LineGrammar(vocab, eos=self.tok.eos_token_id)
+        return self._grammar
 
     def _converse(
         self,

@@ -1,15 +1,18 @@
 """The GRM at work: review conversations on the engine and on `generate`, structure, windows,
 budgets, flags, cascade and voting (kitchen.grm). The shipped GRM's quality is measured by
-`kitchen grm calibrate` (tests/test_calibrate.py); here any causal LM will do, so the shipped
-policy stands in for a reviewer where only the plumbing is under test."""
+`kitchen grm calibrate` (tests/test_calibrate.py); here only the plumbing is under test, with the
+shipped GRM as the reviewer (a model that never writes `=>` would have every line cut by the
+review grammar)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from kitchen import paths
 from kitchen.critique import parse_review
-from kitchen.grm import GRM, GRMConfig, LineStart, merge_cascade, verdict_tensor
+from kitchen.grm import GRM, GRMConfig, LineGrammar, merge_cascade, verdict_tensor
 from kitchen.grmdata import pool
 from kitchen.injection import attacks, message_turns, with_text
 from kitchen.judge import judge
@@ -18,8 +21,8 @@ from kitchen.models import ModelSpec, load_model
 
 @pytest.fixture(scope="module")
 def stand_in():
-    """The shipped tiny policy, as a model that writes *something* in every line."""
-    model, tok = load_model(ModelSpec(path=str(paths.DATA / "models" / "policy-tiny")))
+    """The shipped tiny GRM, as a model that writes readable lines."""
+    model, tok = load_model(ModelSpec(path=str(paths.DATA / "models" / "grm-tiny")))
     model.eval()
     return model, tok
 
@@ -35,14 +38,58 @@ def _lines(review):
     return sorted({v.turn for v in review.verdicts})
 
 
-def test_line_start_forces_the_marker_and_nothing_else():
+def test_line_grammar_forces_the_marker():
     vocab = ["t", "1", "2", "t1", " ", "t12", "x", "1 "]
-    ls = LineStart(vocab)
-    allowed = {vocab[i] for i in ls.allowed("t12 ", "")}
+    g = LineGrammar(vocab)
+    allowed = {vocab[i] for i in g.allowed("t12 ", "")}
     assert allowed == {"t", "t1", "t12"}
-    assert {vocab[i] for i in ls.allowed("t12 ", "t1")} == {"2"}
-    assert ls.allowed("t12 ", "t12 ") is None  # the marker is written: the rest is free
-    assert ls.allowed("t12 ", "t13") is None  # diverged (only without the constraint): free
+    assert {vocab[i] for i in g.allowed("t12 ", "t1")} == {"2"}
+    assert g.allowed("t12 ", "t12 ", whole=False) is None  # the marker only: the rest is free
+    assert g.allowed("t12 ", "t13") is None  # diverged (only without the constraint): free
+
+
+VOCAB = ["<eos>", "t3 ", "ok", ";", " =>", "=", ">", " =>\n", " A", "1", "+", "-", " T",
+         " no", " ", "A1+", "\n"]  # fmt: skip
+
+
+def _next(g, written):
+    return {VOCAB[i] for i in g.allowed("t3 ", written)}
+
+
+def test_line_grammar_lets_a_line_end_only_where_it_is_readable():
+    g = LineGrammar(VOCAB, eos=0)
+    body = set(VOCAB) - {"<eos>", " =>\n", "\n"}  # no line break, ever
+    assert _next(g, "t3 ok") == body  # no verdicts yet: the line may not end
+    assert _next(g, "t3 ok =>") == body | {"<eos>"}  # no verdicts is a readable list
+    assert _next(g, "t3 ok => A1+") == body | {"<eos>"}
+    assert _next(g, "t3 ok => A1") == body  # half an entry
+    assert _next(g, "t3 ok => no") == body  # not an entry: the GRM must go on ...
+    assert _next(g, "t3 ok => no => A1-") == body | {"<eos>"}  # ... a later arrow ends it
+    assert g.allowed("t3 ", "t3 ok", whole=False) is None  # the marker alone
+
+
+def test_a_critique_with_its_own_arrow_reads_by_the_last_one():
+    r = parse_review(["t0 chat => no rec yet; 11 words => A2+ T3-"], turns=[0], clauses=["A2", "T3"])
+    assert r.table() == {(0, "A2"): "pass", (0, "T3"): "violate"}
+    assert r.verdicts[0].reason == "chat => no rec yet; 11 words"
+
+
+def test_every_line_the_grammar_lets_through_parses():
+    """Random walks through the grammar: every finished line is read whole by the parser."""
+    rng = random.Random(0)
+    g = LineGrammar(VOCAB, eos=0)
+    ended = 0
+    for _ in range(300):
+        text = ""
+        for _ in range(12):
+            options = g.allowed("t3 ", text)
+            if 0 in options and rng.random() < 0.5:  # end wherever the grammar lets it
+                ended += 1
+                r = parse_review([text], turns=[3], clauses=["A1", "T1"])
+                assert r.parsed_fraction == 1, text
+                break
+            text += VOCAB[rng.choice([i for i in options if i != 0])]
+    assert ended > 50  # the walks do end, often
 
 
 def test_every_turn_gets_one_structured_line_on_both_paths(stand_in, dialogues):
@@ -50,12 +97,13 @@ def test_every_turn_gets_one_structured_line_on_both_paths(stand_in, dialogues):
     exactly once; the engine and `generate` write the same greedy lines."""
     model, tok = stand_in
     trajs, pcs = [t for t, _ in dialogues], [pc for _, pc in dialogues]
-    cfg = GRMConfig(max_new_tokens=24, batch_size=4)
+    cfg = GRMConfig(batch_size=4)
     fast = GRM(model, tok, cfg)
     slow = GRM(model, tok, cfg.model_copy(update={"engine": "generate"}))
     a, b = fast.review(trajs, pcs), slow.review(trajs, pcs)
     for ra, rb, t in zip(a, b, trajs, strict=True):
         assert ra.turns == len(t.turns) and _lines(ra) == list(range(len(t.turns)))
+        assert ra.parsed_fraction == 1 and rb.parsed_fraction == 1
         assert [v.reason for v in ra.verdicts] == [v.reason for v in rb.verdicts]
         assert ra.table() == rb.table()
     assert fast.stats["lines"] == sum(len(t.turns) for t in trajs)
@@ -66,7 +114,7 @@ def test_a_line_cut_by_its_budget_is_masked_and_flagged(stand_in, dialogues):
     (traj, pc), *_ = dialogues
     r = GRM(model, tok, GRMConfig(max_new_tokens=8)).review([traj], [pc])[0]
     cut = [f for f in r.flags if f.endswith("review budget")]
-    assert cut, "an 8-token budget cuts the stand-in's lines"
+    assert cut, "an 8-token budget cuts the GRM's lines"
     for f in cut:
         t = int(f.split(":")[0][1:])
         assert all(v.verdict is None for v in r.verdicts if v.turn == t)
@@ -117,7 +165,7 @@ def test_merge_cascade_keeps_the_grm_elsewhere():
 def test_sampled_reviews_are_voted_and_repeatable(stand_in, dialogues):
     model, tok = stand_in
     trajs, pcs = [t for t, _ in dialogues[:2]], [pc for _, pc in dialogues[:2]]
-    cfg = GRMConfig(max_new_tokens=24, samples=3, temperature=1.0, seed=5)
+    cfg = GRMConfig(samples=3, temperature=1.0, seed=5)
     grm, twin = GRM(model, tok, cfg), GRM(model, tok, cfg)
     voted, samples = grm.review_with_samples(trajs, pcs)
     again, _ = twin.review_with_samples(trajs, pcs)
