@@ -69,7 +69,9 @@ def test_line_grammar_lets_a_line_end_only_where_it_is_readable():
 
 
 def test_a_critique_with_its_own_arrow_reads_by_the_last_one():
-    r = parse_review(["t0 chat => no rec yet; 11 words => A2+ T3-"], turns=[0], clauses=["A2", "T3"])
+    r = parse_review(
+        ["t0 chat => no rec yet; 11 words => A2+ T3-"], turns=[0], clauses=["A2", "T3"]
+    )
     assert r.table() == {(0, "A2"): "pass", (0, "T3"): "violate"}
     assert r.verdicts[0].reason == "chat => no rec yet; 11 words"
 
