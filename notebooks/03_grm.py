@@ -551,8 +551,9 @@ def _(mo):
       the training data are what make it catch the red lines and ignore harmless rewordings.
     - Only the GRM's own output is parsed; agent text is escaped, attempts to steer the reviewer
       are flagged by rule, and a flagged dialogue earns the lowest reward.
-    - A parse failure or a line cut by its budget masks verdicts (no reward) and is flagged —
-      never turned into passes.
+    - The decoder enforces the review language: a line may end only where it reads. A line the
+      GRM cannot finish is cut by its budget, masked (no reward) and flagged — never turned
+      into passes.
     - Calibrate against an independent reference: the rule judge here, people in general.
       `kitchen grm calibrate` prints per-clause recall, agreement, stability, attacks, voting.
     - Next: `04_credit_assignment.py` — how MAPO turns these verdicts into advantages.
