@@ -111,8 +111,9 @@ def read_line(raw: str) -> tuple[int, str, dict[str, str]] | None:
     The verdicts are what follows the line's *last* `=>`, so a critique that itself holds an
     arrow still reads. The one definition of a readable line (`parse_review`, the GRM's
     `LineGrammar`)."""
-    m = LINE.match(raw.strip())
-    if not m:
+    raw = raw.strip()
+    m = LINE.match(raw)
+    if not m or len(raw.splitlines()) > 1:
         return None
     entries: dict[str, str] = {}
     for tok in m.group(3).split():

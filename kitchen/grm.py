@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -152,8 +152,9 @@ class LineGrammar:
     """The review line's grammar, `t<k> <critique> => <id>± <id>± …`, as allowed next tokens:
 
     - **marker**: while the line is a proper prefix of `t<k> `, only tokens that keep it one (or
-      complete it);
-    - **body**: any token without a line break;
+      complete it, without a line break);
+    - **body**: any token but a line break (any character `str.splitlines` splits at) and the
+      tokenizer's special tokens;
     - **end** (`eos`): only where the line so far is readable (`critique.read_line`): it has an
       `=>` and what follows its last one is whole verdict entries (or none).
 
@@ -163,16 +164,16 @@ class LineGrammar:
     vocabulary's strings are matched, not token ids.
     """
 
-    def __init__(self, vocab: Sequence[str], eos: int | None = None):
+    def __init__(self, vocab: Sequence[str], eos: int | None = None, special: Iterable[int] = ()):
         self.vocab = list(vocab)
         self.eos = eos
-        self.by_first: dict[str, list[int]] = {}
-        for i, piece in enumerate(self.vocab):
-            if piece:
-                self.by_first.setdefault(piece[0], []).append(i)
-        breaks = {i for i, p in enumerate(self.vocab) if "\n" in p}
-        self._open = [i for i in range(len(self.vocab)) if i not in breaks and i != eos]
+        barred = {i for i, p in enumerate(self.vocab) if _breaks(p)} | set(special) | {eos}
+        self._open = [i for i in range(len(self.vocab)) if i not in barred]
         self._may_end = self._open + ([eos] if eos is not None else [])
+        self.by_first: dict[str, list[int]] = {}
+        for i in self._open:
+            if self.vocab[i]:
+                self.by_first.setdefault(self.vocab[i][0], []).append(i)
 
     def allowed(self, start: str, written: str, whole: bool = True) -> list[int] | None:
         """Token ids allowed after `written` (the line so far), or None (any). `whole=False`
@@ -189,7 +190,12 @@ class LineGrammar:
             for i in self.by_first.get(rest[0], [])
             if rest.startswith(self.vocab[i]) or self.vocab[i].startswith(rest)
         ]
-        return out or None
+        return out or self._open  # no token spells the marker: the line cannot be read
+
+
+def _breaks(piece: str) -> bool:
+    """Does `piece` hold a line break (any character `str.splitlines` splits at)?"""
+    return len(f"x{piece}x".splitlines()) > 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,7 +321,8 @@ class GRM:
     def _vocab(self) -> LineGrammar:
         if self._grammar is None:
             vocab = [self.tok.decode([i]) for i in range(len(self.tok))]
-            self._grammar = LineGrammar(vocab, eos=self.tok.eos_token_id)
+            special = getattr(self.tok, "all_special_ids", ())
+            self._grammar = LineGrammar(vocab, eos=self.tok.eos_token_id, special=special)
         return self._grammar
 
     def _converse(

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from kitchen import paths
-from kitchen.critique import parse_review
+from kitchen.critique import parse_review, read_line
 from kitchen.grm import GRM, GRMConfig, LineGrammar, merge_cascade, verdict_tensor
 from kitchen.grmdata import pool
 from kitchen.injection import attacks, message_turns, with_text
@@ -48,6 +48,23 @@ def test_line_grammar_forces_the_marker():
     assert g.allowed("t12 ", "t13") is None  # diverged (only without the constraint): free
 
 
+def test_line_grammar_bars_line_breaks_and_special_tokens_from_the_first_token_on():
+    vocab = ["<eos>", "<pad>", "t", "3", " =>", " =>\n\n", " ok\r", "2 x", "3 ok", "3 \n"]
+    g = LineGrammar(vocab, eos=0, special=[1])
+    assert {vocab[i] for i in g.allowed("t3 ", "t")} == {"3", "3 ok"}  # not a break past it
+    body = {vocab[i] for i in g.allowed("t3 ", "t3 ok")}
+    assert body == {"t", "3", " =>", "2 x", "3 ok"}  # no \n, no \r, no <pad>, no <eos> yet
+
+
+def test_the_shipped_grms_grammar_never_allows_a_break_or_a_special_token():
+    model, tok = load_model(ModelSpec(path=str(paths.DATA / "models" / "grm-tiny")))
+    g = GRM(model, tok)._vocab()
+    special = set(tok.all_special_ids) - {tok.eos_token_id}
+    for written in ("", "t", "t1", "t12 chat", "t12 chat => A1+"):
+        for i in g.allowed("t12 ", written):
+            assert i not in special and len(f"x{tok.decode([i])}x".splitlines()) == 1, (written, i)
+
+
 VOCAB = ["<eos>", "t3 ", "ok", ";", " =>", "=", ">", " =>\n", " A", "1", "+", "-", " T",
          " no", " ", "A1+", "\n"]  # fmt: skip
 
@@ -66,6 +83,11 @@ def test_line_grammar_lets_a_line_end_only_where_it_is_readable():
     assert _next(g, "t3 ok => no") == body  # not an entry: the GRM must go on ...
     assert _next(g, "t3 ok => no => A1-") == body | {"<eos>"}  # ... a later arrow ends it
     assert g.allowed("t3 ", "t3 ok", whole=False) is None  # the marker alone
+
+
+def test_a_line_with_a_break_inside_is_unreadable():
+    assert read_line("t0 a\rb => A1+") is None and read_line("t0 a b => A1+ ") is not None
+    assert parse_review("t0 a\rb => A1+", turns=[0], clauses=["A1"]).parsed_fraction == 0
 
 
 def test_a_critique_with_its_own_arrow_reads_by_the_last_one():
