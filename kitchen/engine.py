@@ -881,11 +881,19 @@ class Engine:
         if all(x is None for x in lists):
             return None
         mask = torch.zeros(len(rows), self.vocab, dtype=torch.bool)
+        # a list the constraint returns for many rows (the GRM's grammar has a few) becomes a
+        # row of the mask once per step
+        built: dict[int, torch.Tensor] = {}
         for i, x in enumerate(lists):
             if x is None:
                 mask[i] = True
-            else:
-                mask[i, torch.as_tensor(list(x), dtype=torch.long)] = True
+                continue
+            row = built.get(id(x))
+            if row is None:
+                row = torch.zeros(self.vocab, dtype=torch.bool)
+                row[torch.as_tensor(list(x), dtype=torch.long)] = True
+                built[id(x)] = row
+            mask[i] = row
         return mask.to(self.device)
 
     def _finish(self, gen: list[int]) -> str | None:
