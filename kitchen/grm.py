@@ -166,7 +166,6 @@ class LineGrammar:
 
     def __init__(self, vocab: Sequence[str], eos: int | None = None, special: Iterable[int] = ()):
         self.vocab = list(vocab)
-        self.eos = eos
         barred = {i for i, p in enumerate(self.vocab) if _breaks(p)} | set(special) | {eos}
         self._open = [i for i in range(len(self.vocab)) if i not in barred]
         self._may_end = self._open + ([eos] if eos is not None else [])
@@ -318,7 +317,7 @@ class GRM:
 
     # -- the conversations --------------------------------------------------------------------
 
-    def _vocab(self) -> LineGrammar:
+    def _line_grammar(self) -> LineGrammar:
         if self._grammar is None:
             vocab = [self.tok.decode([i]) for i in range(len(self.tok))]
             special = getattr(self.tok, "all_special_ids", ())
@@ -368,7 +367,7 @@ class GRM:
             eos_token_id=tok.eos_token_id,
             temperature=cfg.temperature if cfg.samples > 1 or cfg.temperature > 0 else 0.0,
         )
-        vocab = self._vocab()
+        grammar = self._line_grammar()
         texts: dict[Hashable, tuple[int, str]] = {}
 
         def constraint(key: Hashable, gen: Sequence[int]) -> list[int] | None:
@@ -378,9 +377,9 @@ class GRM:
             seen, text = texts.get(key, (0, ""))
             if seen > len(gen):
                 seen, text = 0, ""
-            text += "".join(vocab.vocab[i] if i < len(vocab.vocab) else "" for i in gen[seen:])
+            text += "".join(grammar.vocab[i] if i < len(grammar.vocab) else "" for i in gen[seen:])
             texts[key] = (len(gen), text)
-            return vocab.allowed(f"t{first + len(lines[key])} ", text)
+            return grammar.allowed(f"t{first + len(lines[key])} ", text)
 
         def on_done(key: Hashable, c: Any) -> tuple[list[int], int] | None:
             texts.pop(key, None)
@@ -401,7 +400,7 @@ class GRM:
         import torch
 
         cfg, tok, model = self.cfg, self.tok, self.model
-        vocab = self._vocab()
+        grammar = self._line_grammar()
         sampling = cfg.samples > 1 or cfg.temperature > 0
         while True:
             live = [k for k in convs if spans[k][0] + len(lines[k]) <= spans[k][1]]
@@ -420,8 +419,8 @@ class GRM:
                     row: int, input_ids: torch.Tensor, width: int = width, starts=starts
                 ) -> list[int]:
                     text = tok.decode(input_ids[width:], skip_special_tokens=True)
-                    got = vocab.allowed(starts[row], text) if cfg.structured else None
-                    return got if got is not None else list(range(len(vocab.vocab)))
+                    got = grammar.allowed(starts[row], text) if cfg.structured else None
+                    return got if got is not None else list(range(len(grammar.vocab)))
 
                 kwargs: dict[str, Any] = {
                     "max_new_tokens": cfg.max_new_tokens,

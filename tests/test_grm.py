@@ -58,7 +58,7 @@ def test_line_grammar_bars_line_breaks_and_special_tokens_from_the_first_token_o
 
 def test_the_shipped_grms_grammar_never_allows_a_break_or_a_special_token():
     model, tok = load_model(ModelSpec(path=str(paths.DATA / "models" / "grm-tiny")))
-    g = GRM(model, tok)._vocab()
+    g = GRM(model, tok)._line_grammar()
     special = set(tok.all_special_ids) - {tok.eos_token_id}
     for written in ("", "t", "t1", "t12 chat", "t12 chat => A1+"):
         for i in g.allowed("t12 ", written):
