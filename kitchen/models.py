@@ -17,7 +17,9 @@ with every adapter switched off (`adapters_disabled`). `token_logprobs` is the o
 per-token log-probabilities and entropies are computed, for rollouts and for training alike.
 
 The chat format is ChatML, fixed because other modules parse it: each message renders as
-`<|im_start|>{role}\\n{content}<|im_end|>\\n`; the generation prompt is `<|im_start|>assistant\\n`;
+`<|im_start|>{role}\\n{content}<|im_end|>\\n`; the generation prompt is `<|im_start|>assistant\\n`, and
+in the kit's own template the assistant header carries the diner's profile line
+(`<|im_start|>assistant brief hurried\\n`, `profile_tag`);
 `<|im_end|>` is the eos token (generation stops there) and `<|endoftext|>` pads. Each assistant
 message's content *and its* `<|im_end|>` sit inside `{% generation %}` markers, so TRL's
 assistant-only loss teaches the model to stop (the newline after it is not the model's to emit).
@@ -59,7 +61,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -81,20 +83,71 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)  # ids 0, 1, 2 in a tokenizer trained here
 ROLES = ("system", "user", "assistant", "tool")
 
+#: Where the world's system prompt shows the diner's profile (`kitchen.world.system_prompt`).
+PROFILE_MARK = "Diner: "
+#: The profile fields the assistant header repeats: the style ones (`profile_tag` says why).
+HEADER_FIELDS = ("verbosity", "pace")
+
 # Jinja, as transformers renders it. `tool_calls` is ignored on purpose: `content` always holds the
 # raw action text the policy produced (e.g. `@search thai`), which is what the tiny model learns.
+# The assistant header repeats the diner's profile line from the system message (`profile_tag`),
+# outside the `{% generation %}` markers: the model reads it, it is never trained to write it.
 CHAT_TEMPLATE = (
+    "{%- set ns = namespace(head='<|im_start|>assistant\\n') %}"
+    "{%- if messages and messages[0]['role'] == 'system' and '"
+    + PROFILE_MARK
+    + "' in messages[0]['content'] %}"
+    "{%- set line = messages[0]['content'].split('"
+    + PROFILE_MARK
+    + "')[-1].split('\\n')[0].strip().rstrip('.') %}"
+    "{%- set ns.head = '<|im_start|>assistant' %}"
+    "{%- for field in line.split(', ') %}{%- set kv = field.split('=') %}"
+    "{%- if kv | length == 2 and kv[0] in " + repr(list(HEADER_FIELDS)) + " %}"
+    "{%- set ns.head = ns.head + ' ' + kv[1] %}{%- endif %}{%- endfor %}"
+    "{%- set ns.head = ns.head + '\\n' %}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}"
+    "{{- ns.head }}"
     "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
     "{{- '\\n' }}"
     "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- ns.head }}{%- endif %}"
 )
+
+
+def profile_tag(messages: Sequence[dict[str, Any]]) -> str | None:
+    """The diner's style as the assistant header repeats it: the values of the `HEADER_FIELDS`
+    among the `key=value` fields after `PROFILE_MARK` in a leading system message (up to its end
+    of line, without the closing full stop), space-separated in the order shown — `brief hurried`
+    for `Diner: verbosity=brief, pace=hurried, diet=any, allergies=egg.` None where there is no
+    such message (the GRM's prompts, any other chat).
+
+    Why the header repeats it: a meal's dialogue runs to ~1,000 tokens, and a 4-layer policy that
+    saw the profile only at the top of it learnt nothing of the data's verbosity rule (brief
+    diners got the longest messages: 13.1 words on held-out meals, detailed ones 11.8). In the
+    header the style is two tokens from every action. Only the style: with the whole profile
+    repeated (diet and allergies too) the policy broke the allergen red line more often on
+    held-out diners (A1 violated in 28% of allergic diners' turns against 21%) — an allergy list
+    it never saw in training sat next to every action. A model whose own template lacks this
+    still reads the system message."""
+    if not messages or messages[0].get("role") != "system":
+        return None
+    content = str(messages[0].get("content") or "")
+    if PROFILE_MARK not in content:
+        return None
+    line = content.split(PROFILE_MARK)[-1].split("\n")[0].strip().rstrip(".")
+    pairs = [field.split("=") for field in line.split(", ")]
+    return " ".join(kv[1] for kv in pairs if len(kv) == 2 and kv[0] in HEADER_FIELDS)
+
+
+def assistant_header(messages: Sequence[dict[str, Any]]) -> str:
+    """`<|im_start|>assistant\\n`, with the profile tag before the newline where there is one."""
+    tag = profile_tag(messages)
+    return f"{IM_START}assistant{' ' + tag if tag else ''}\n"
 
 
 def render_chat(messages: Iterable[dict[str, Any]], *, add_generation_prompt: bool = False) -> str:
@@ -103,8 +156,15 @@ def render_chat(messages: Iterable[dict[str, Any]], *, add_generation_prompt: bo
     Used to render training dialogues before the tokenizer that will carry the template exists.
     A test asserts it equals `tokenizer.apply_chat_template(messages, tokenize=False)`.
     """
-    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
-    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+    messages = list(messages)
+    head = assistant_header(messages)
+    text = "".join(
+        f"{head}{m['content']}{IM_END}\n"
+        if m["role"] == "assistant"
+        else f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n"
+        for m in messages
+    )
+    return text + (head if add_generation_prompt else "")
 
 
 _SPECIALS_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))

@@ -26,6 +26,7 @@ from kitchen.models import (
     load_adapter,
     load_model,
     lora_config,
+    profile_tag,
     render_chat,
     reply,
     save_adapter,
@@ -108,6 +109,43 @@ def test_template_renders_chatml_and_equals_render_chat(tok):
     assert prompt == render_chat(MESSAGES[:2], add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")
     assert tok.chat_template == CHAT_TEMPLATE and "{%- generation %}" in CHAT_TEMPLATE
+
+
+def test_assistant_header_repeats_the_diners_profile_outside_the_generation_markers(tok):
+    """With the world's system prompt, every assistant header (and the generation prompt) carries
+    the diner's style (verbosity, pace; not diet or allergies); the template and `render_chat`
+    agree on odd lines too, and the header is context: the assistant mask holds only the contents
+    and their <|im_end|>."""
+    from kitchen.world import system_prompt
+
+    system = system_prompt({"verbosity": "brief", "pace": "hurried", "allergies": ["egg", "soy"]})
+    assert profile_tag([{"role": "system", "content": system}]) == "brief hurried"
+    msgs = [{"role": "system", "content": system}, *MESSAGES[1:]]
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    assert text == render_chat(msgs)
+    assert text.count("<|im_start|>assistant brief hurried\n") == 3
+    prompt = tok.apply_chat_template(msgs[:4], tokenize=False, add_generation_prompt=True)
+    assert prompt == render_chat(msgs[:4], add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant brief hurried\n")
+    out = tok.apply_chat_template(msgs, return_dict=True, return_assistant_tokens_mask=True)
+    learned = tok.decode(
+        [i for i, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m]
+    )
+    assert learned == "".join(m["content"] + IM_END for m in msgs if m["role"] == "assistant")
+    for odd in (
+        [{"role": "system", "content": "x Diner: "}, {"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "Diner: pace=b, c, verbosity=e=f, verbosity=x.\nmore"}],
+        [{"role": "user", "content": "Diner: verbosity=brief."}],  # not a system message
+    ):
+        rendered = tok.apply_chat_template(odd, tokenize=False, add_generation_prompt=True)
+        assert rendered == render_chat(odd, add_generation_prompt=True)
+    assert render_chat(odd, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+    assert (
+        profile_tag(
+            [{"role": "system", "content": "Diner: pace=b, c, verbosity=e=f, verbosity=x."}]
+        )
+        == "b x"
+    )
 
 
 def test_tokenizer_round_trips_through_save_and_auto_tokenizer(tok, micro, tmp_path):
