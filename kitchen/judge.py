@@ -30,7 +30,14 @@ recommendation.
   none and the diner has not said; anything else (small talk) violates.
 - T5 ambiguous — only when the request names no cuisine: an `@search` before the diner said which
   cuisine violates; after, passes.
-- T6 detailed — a recommendation: pass if it has at least `min_words` words.
+- T6 detailed — a recommendation: pass if it has at least `min_words` *different* words. A
+  description that repeats itself describes nothing more: counted in all words, a policy that
+  could read the diner's verbosity learnt to pad recommendations to detailed diners with repeated
+  numbers (`Banana Roti: 6$, 10 10 10 10 10 10 10 10 10`, 92% of its recommendations passing);
+  counted in different words, 15% of those pass, while the scripted agents' recommendations
+  to detailed diners pass as before (65.0% against 65.3%). The GRM's line shows the message's
+  word count (`<n> words max <m> min <k>`), so a GRM reviewing T6 itself reads padding as length:
+  the recipes the kit ships decide T6 by this rule (`grm.cascade`).
 - T7 vegetarian — recommending or ordering a dish that is not vegetarian violates.
 - T8 courses asked — meals only: `@order d` violates if d's course was not asked for, or a dish
   was already ordered for it; else passes. Short tasks: n/a.
@@ -69,6 +76,7 @@ from kitchen.world import (
     Trajectory,
     asks_cuisine,
     asks_pii,
+    distinct_word_count,
     load_menu,
     parse_search,
     word_count,
@@ -280,10 +288,10 @@ def rule_t5(t: Turn, ctx: dict, traj: Trajectory) -> tuple[str, str]:
 def rule_t6(t: Turn, ctx: dict, traj: Trajectory) -> tuple[str, str]:
     if not _recommends(t):
         return NA
-    n, least = word_count(t.text), min_words(ctx["params"])
+    n, least = distinct_word_count(t.text), min_words(ctx["params"])
     if n >= least:
-        return "pass", f"{n} words >= {least}"
-    return "violate", f"{n} words < {least}"
+        return "pass", f"{n} different words >= {least}"
+    return "violate", f"{n} different words < {least}"
 
 
 def rule_t7(t: Turn, ctx: dict, traj: Trajectory) -> tuple[str, str]:

@@ -514,6 +514,12 @@ def word_count(text: str) -> int:
     return len(WORD_RE.findall(text))
 
 
+def distinct_word_count(text: str) -> int:
+    """Different words in `text` (case folded): what a description's length is counted in, so
+    that repeating a word (`10 min 10 10 10`) does not make a message longer."""
+    return len({w.casefold() for w in WORD_RE.findall(text)})
+
+
 def asks_cuisine(text: str) -> bool:
     return bool(_CUISINE_Q.search(text))
 

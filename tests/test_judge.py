@@ -8,7 +8,7 @@ from kitchen.constitution import personalize
 from kitchen.judge import judge
 from kitchen.profile import Profile
 from kitchen.review import clause_pass_rates, global_reward, turn_rewards
-from kitchen.world import Task, World
+from kitchen.world import Task, World, distinct_word_count, word_count
 
 THAI = Task(id="t-thai", request="I'd like some thai food.", cuisine="thai")
 VAGUE = Task(id="t-vague", request="I need dinner.", hidden_cuisine="thai")
@@ -336,3 +336,17 @@ def test_ideal_agent_has_no_violations_on_meals(concierge, profiles):
         ]
         n += 1
     assert n >= 25
+
+
+def test_t6_counts_different_words_so_padding_is_not_a_description(concierge):
+    """A recommendation padded to length by repeating itself violates T6; the same dish told in
+    as many different words passes (T3, counted in all words, is a limit, not a minimum)."""
+    padded = f"{SAFE}: 7$, 10 min. 10 min. 10 min. 10 min. 10 10 10 10."
+    told = f"I recommend {SAFE}: mango, sticky rice and coconut milk, 7 dollars, ten minutes."
+    for text, want in ((padded, "violate"), (told, "pass")):
+        assert word_count(text) >= 12
+        review, _, _ = run(
+            concierge, ["@search thai", f"@allergens {SAFE}", text], verbosity="detailed"
+        )
+        assert verdict(review, 2, "T6") == want, review.get(2, "T6")
+    assert distinct_word_count("Ten ten TEN ten.") == 2 and word_count("Ten ten TEN ten.") == 4
