@@ -35,9 +35,10 @@ recommendation.
   could read the diner's verbosity learnt to pad recommendations to detailed diners with repeated
   numbers (`Banana Roti: 6$, 10 10 10 10 10 10 10 10 10`, 92% of its recommendations passing);
   counted in different words, 15% of those pass, while the scripted agents' recommendations
-  to detailed diners pass as before (65.0% against 65.3%). The GRM's line shows the message's
-  word count (`<n> words max <m> min <k>`), so a GRM reviewing T6 itself reads padding as length:
-  the recipes the kit ships decide T6 by this rule (`grm.cascade`).
+  to detailed diners pass as before (76.4% of T6 verdicts in `data/sft`, against 76.8%). The
+  GRM's line shows the message's word count (`<n> words max <m> min <k>`), so a GRM reviewing T6
+  itself reads padding as length: the recipes the kit ships decide T6 by this rule
+  (`grm.cascade`).
 - T7 vegetarian — recommending or ordering a dish that is not vegetarian violates.
 - T8 courses asked — meals only: `@order d` violates if d's course was not asked for, or a dish
   was already ordered for it; else passes. Short tasks: n/a.
