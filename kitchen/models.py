@@ -18,7 +18,7 @@ per-token log-probabilities and entropies are computed, for rollouts and for tra
 
 The chat format is ChatML, fixed because other modules parse it: each message renders as
 `<|im_start|>{role}\\n{content}<|im_end|>\\n`; the generation prompt is `<|im_start|>assistant\\n`, and
-in the kit's own template the assistant header carries the diner's profile line
+in the kit's own template the assistant header carries the diner's style
 (`<|im_start|>assistant brief hurried\\n`, `profile_tag`);
 `<|im_end|>` is the eos token (generation stops there) and `<|endoftext|>` pads. Each assistant
 message's content *and its* `<|im_end|>` sit inside `{% generation %}` markers, so TRL's
@@ -90,7 +90,7 @@ HEADER_FIELDS = ("verbosity", "pace")
 
 # Jinja, as transformers renders it. `tool_calls` is ignored on purpose: `content` always holds the
 # raw action text the policy produced (e.g. `@search thai`), which is what the tiny model learns.
-# The assistant header repeats the diner's profile line from the system message (`profile_tag`),
+# The assistant header repeats the diner's style from the system message (`profile_tag`),
 # outside the `{% generation %}` markers: the model reads it, it is never trained to write it.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(head='<|im_start|>assistant\\n') %}"
