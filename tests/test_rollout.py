@@ -81,7 +81,11 @@ def test_an_episode_plays_the_same_alone_as_in_its_batch(policy, jobs):
             same += 1
             assert a.outcome == b.outcome
             continue
-        x, y = next((x, y) for x, y in zip(a.turns, b.turns, strict=False) if x.tokens != y.tokens)
+        x, y = next(
+            ((x, y) for x, y in zip(a.turns, b.turns, strict=False) if x.tokens != y.tokens),
+            (None, None),
+        )
+        assert x is not None, "one episode is a prefix of the other: not a sampling difference"
         j = next(
             (j for j, (u, v) in enumerate(zip(x.tokens, y.tokens, strict=False)) if u != v), None
         )
