@@ -26,7 +26,8 @@ What the pipeline adds around the model:
 - **Inference options** (docs/method.md#grm-calibration): `samples` reviews with a majority vote
   per (turn, clause) at `temperature`; a `cascade` — clauses listed there are decided by the rule
   judge and the GRM's verdicts on them are replaced (or, when every active clause is listed, the
-  GRM is not asked at all).
+  GRM is not asked at all); `rule_only` clauses are decided by the judge too and left out of the
+  GRM's prompt altogether (a clause added after the GRM was trained: T10).
 
 Works with the tiny default and any HF causal LM (LoRA/QLoRA); on one GPU the GRM can be a second
 LoRA adapter on the policy's base (`cfg.adapter`).
@@ -99,6 +100,19 @@ class GRMConfig(StrictModel):
         description="Clause ids the rule judge decides (cheap first, GRM for the rest). Empty "
         "(default): the GRM decides everything, so its reward is the GRM's own.",
     )
+    rule_only: list[str] = Field(
+        default_factory=lambda: ["T10"],
+        description="Clauses the rule judge decides and the GRM is not even shown (its prompt "
+        "leaves them out, so a GRM trained before a clause was added reads the constitution it "
+        "was trained on). Default: T10, which the shipped tiny GRM predates. Ids the "
+        "constitution lacks are ignored.",
+    )
+
+    @property
+    def ruled(self) -> list[str]:
+        """Every clause the rule judge decides: `cascade`, then `rule_only`."""
+        return list(dict.fromkeys([*self.cascade, *self.rule_only]))
+
     clause_text: Literal["compact", "full"] = Field(
         "compact", description="compact: ids with parameters (tiny GRM); full: clause texts."
     )
@@ -255,6 +269,13 @@ class GRM:
         """One review per trajectory: cascade, windows, the review conversations, parse, vote."""
         return self.review_with_samples(trajectories, pcs)[0]
 
+    def shown(self, pc: PersonalConstitution) -> PersonalConstitution:
+        """The personal constitution as the GRM reads it: without the `rule_only` clauses."""
+        hide = set(self.cfg.rule_only)
+        if not hide & set(pc.ids):
+            return pc
+        return pc.model_copy(update={"clauses": [c for c in pc.clauses if c.id not in hide]})
+
     def review_with_samples(
         self, trajectories: Sequence[Trajectory], pcs: Sequence[PersonalConstitution]
     ) -> tuple[list[Review], list[list[Review]]]:
@@ -267,16 +288,17 @@ class GRM:
         spans: dict[tuple[int, int, int], tuple[int, int]] = {}
         rules: list[Review | None] = [None] * len(trajectories)
         for i, (traj, pc) in enumerate(zip(trajectories, pcs, strict=True)):
-            if cfg.cascade:
+            if set(cfg.ruled) & set(pc.ids):
                 rules[i] = judge(traj, pc, self.menu)
-                if set(pc.ids) <= set(cfg.cascade):
+                if set(pc.ids) <= set(cfg.ruled):
                     continue  # nothing left for the GRM
+            shown = self.shown(pc)
             windows = plan_windows(
-                len(traj.turns), self._fits(traj, pc, budget), max_turns=cfg.max_window_turns
+                len(traj.turns), self._fits(traj, shown, budget), max_turns=cfg.max_window_turns
             )
             for w, (first, last, opts) in enumerate(windows):
                 users = review_turns(
-                    traj, pc, first=first, last=last, clause_text=cfg.clause_text, **opts
+                    traj, shown, first=first, last=last, clause_text=cfg.clause_text, **opts
                 )
                 for s in range(cfg.samples):
                     convs[(i, w, s)] = users
@@ -294,14 +316,14 @@ class GRM:
                 r = parse_review(
                     written,
                     turns=range(len(traj.turns)),
-                    clauses=pc.ids,
+                    clauses=self.shown(pc).ids,
                     trajectory=traj.id,
                     personal_version=pc.version,
                 )
                 cut = [f"t{t}: review budget" for t, x in enumerate(written) if x == ""]
                 r.flags = flags + cut
-                if cfg.cascade:
-                    r = merge_cascade(r if keys else None, rules[i], cfg.cascade)
+                if rules[i] is not None:
+                    r = merge_cascade(r if keys else None, rules[i], cfg.ruled)
                 samples.append(r)
             review = vote(samples) if len(samples) > 1 else samples[0]
             review = review.model_copy(
@@ -447,7 +469,8 @@ class GRM:
 
 
 def merge_cascade(grm_review: Review | None, rule_review: Review, cascade: Sequence[str]) -> Review:
-    """Rule verdicts for the `cascade` clauses, GRM verdicts for the rest."""
+    """Rule verdicts for the `cascade` clauses, GRM verdicts for the rest; a cascade clause the
+    GRM was not shown (`GRMConfig.rule_only`) has rule verdicts only."""
     if grm_review is None:
         return rule_review.model_copy(update={"source": "cascade"})
     take = set(cascade)
@@ -463,9 +486,13 @@ def merge_cascade(grm_review: Review | None, rule_review: Review, cascade: Seque
         else v
         for v in grm_review.verdicts
     ]
+    seen = {v.clause for v in grm_review.verdicts} | set(grm_review.clauses)
+    out += [v for v in rule_review.verdicts if v.clause in take and v.clause not in seen]  # rule_only
+    out.sort(key=lambda v: v.turn)  # stable: each turn's verdicts stay in clause order
     produced = sum(v.verdict is not None for v in out)
     return grm_review.model_copy(
         update={
+            "clauses": rule_review.clauses,
             "verdicts": out,
             "source": "cascade",
             "overall": overall_of(out),

@@ -45,6 +45,15 @@ recommendation.
 - T9 one course at a time — meals only: a recommendation violates if the message names dishes of
   more than one course, or recommends a course not asked for or already ordered; else passes.
   Short tasks: n/a.
+- T10 something to act on — every message to the diner: pass if it names a dish (a
+  recommendation, or a question about one), asks which cuisine, or is an opening line (the first
+  message since the episode began or since the last order: a greeting, a word on the next
+  course); anything else violates. Why: a message that names nothing breaks no other clause, so a
+  local reward averaged over the clauses that apply scored `Shall I order it?` (which the diner
+  cannot answer: it names no dish) as high as a good recommendation. Measured: the scripted
+  agents' SFT dialogues never break it (0 of 15,062 messages), the healthy MAPO run (seed 0) in
+  4.8% of its late messages, and seed 1 in 45% of its messages at iterations 6–10, just before it
+  collapsed (42 of its 69 were `Shall I order it?`).
 
 Invalid actions get `n/a` for every clause (the reason says why). A clause id the judge has no
 rule for gets `n/a` with reason "no rule" — the cascade in `kitchen.grm` sends those to the GRM.
@@ -101,6 +110,7 @@ class Turn:
     agreed: set[str]
     cuisine_told: bool
     recommended_before: bool  # in a meal: since the last order
+    opening: bool = False  # no message to the diner yet since the episode began or the last order
     error: str | None = None
     reply: str = ""
     courses: list[str] = field(default_factory=list)  # a meal's courses; [] for a short task
@@ -115,6 +125,7 @@ class _State:
     agreed: set[str] = field(default_factory=set)
     cuisine_told: bool = False
     recommended: bool = False
+    opening: bool = True
     served: dict[str, str] = field(default_factory=dict)
 
 
@@ -152,6 +163,7 @@ def replay(traj: Trajectory, menu: Menu | None = None) -> list[Turn]:
             agreed=set(st.agreed),
             cuisine_told=st.cuisine_told,
             recommended_before=st.recommended,
+            opening=st.opening,
             error=a.error,
             reply=reply,
             courses=list(traj.task.courses),
@@ -167,7 +179,11 @@ def replay(traj: Trajectory, menu: Menu | None = None) -> list[Turn]:
         elif a.kind == "tool" and a.tool == "order" and turn.dish and turn.courses:
             st.served.setdefault(turn.dish.course, turn.dish.name)
             st.recommended = False  # the next course: T4 looks for its recommendation again
+        if a.kind == "tool" and a.tool == "order":
+            st.opening = True  # T10: the next course (or the goodbye) may open with a line
         elif a.kind == "say":
+            st.opening = False
+        if a.kind == "say":
             if turn.dish:
                 st.recommended = True
                 if REJECT_RE.match(reply):
@@ -328,6 +344,18 @@ def rule_t9(t: Turn, ctx: dict, traj: Trajectory) -> tuple[str, str]:
     return "pass", f"recommends one {course}, a course still to order"
 
 
+def rule_t10(t: Turn, ctx: dict, traj: Trajectory) -> tuple[str, str]:
+    if t.kind != "say":
+        return NA
+    if t.dish is not None:
+        return "pass", f"names {t.dish.name}"
+    if asks_cuisine(t.text):
+        return "pass", "asks which cuisine"
+    if t.opening:
+        return "pass", "an opening line"
+    return "violate", "names no dish and asks nothing the task needs"
+
+
 RULES: dict[str, Rule] = {
     "A1": rule_a1,
     "A2": rule_a2,
@@ -342,6 +370,7 @@ RULES: dict[str, Rule] = {
     "T7": rule_t7,
     "T8": rule_t8,
     "T9": rule_t9,
+    "T10": rule_t10,
 }
 
 

@@ -136,12 +136,33 @@ def test_every_turn_gets_one_structured_line_on_both_paths(stand_in, dialogues):
 def test_a_line_cut_by_its_budget_is_masked_and_flagged(stand_in, dialogues):
     model, tok = stand_in
     (traj, pc), *_ = dialogues
-    r = GRM(model, tok, GRMConfig(max_new_tokens=8)).review([traj], [pc])[0]
+    cfg = GRMConfig(max_new_tokens=8)
+    r = GRM(model, tok, cfg).review([traj], [pc])[0]
     cut = [f for f in r.flags if f.endswith("review budget")]
     assert cut, "an 8-token budget cuts the GRM's lines"
     for f in cut:
         t = int(f.split(":")[0][1:])
-        assert all(v.verdict is None for v in r.verdicts if v.turn == t)
+        mine = [v for v in r.verdicts if v.turn == t and v.clause not in cfg.rule_only]
+        assert mine and all(v.verdict is None for v in mine)
+        # the clauses the GRM is not shown keep their rule verdicts, budget or not
+        assert all(v.verdict for v in r.verdicts if v.turn == t and v.clause in cfg.rule_only)
+
+
+def test_rule_only_clauses_are_left_out_of_the_grm_prompt_and_judged_by_rule(stand_in, dialogues):
+    from kitchen.critique import review_turns
+
+    model, tok = stand_in
+    (traj, pc), *_ = dialogues
+    assert "T10" in pc.ids
+    grm = GRM(model, tok, GRMConfig(rule_only=["T10"]))
+    assert "T10" not in review_turns(traj, grm.shown(pc))[0]
+    assert "T10" in review_turns(traj, pc)[0]
+    r = grm.review([traj], [pc])[0]
+    ref = judge(traj, pc)
+    assert "T10" in r.clauses and r.source == "cascade"
+    assert {k: v for k, v in r.table().items() if k[1] == "T10"} == {
+        k: v for k, v in ref.table().items() if k[1] == "T10"
+    }
 
 
 def test_long_dialogues_are_reviewed_in_windows_covering_every_turn(stand_in, dialogues):

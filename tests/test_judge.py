@@ -148,22 +148,56 @@ def test_ideal_agent_has_no_violations(concierge, profiles):
         pc = personalize(concierge, profiles[i % len(profiles)])
         traj = ScriptedAgent(IDEAL_QUIRKS, seed=i).play(w, task, pc.dimensions, seed=i)
         review = judge(traj, pc)
-        assert review.violations() == [] or all(v.clause == "T3" for v in review.violations()), [
-            (v.turn, v.clause, v.reason) for v in review.violations()
-        ]
+        # T10: when nothing fits, the agent can only repeat its apology until the turn budget
+        # runs out (the world has no way to end); those repeats give the diner nothing new
+        said = [ti.action.text for ti in traj.turns]
+        padding = {t for t, x in enumerate(said) if x == "Sorry, I could not find a dish for you."}
+        assert all(
+            v.clause == "T3" or (v.clause == "T10" and v.turn in padding)
+            for v in review.violations()
+        ), [(v.turn, v.clause, v.reason) for v in review.violations()]
+
+
+def test_t10_a_message_must_give_the_diner_something_to_act_on(concierge):
+    actions = [
+        "Hello! Happy to help you today.",  # an opening line: passes
+        "Shall I order it?",  # names no dish: the diner cannot answer it
+        "@search thai",
+        "15 minutes.",
+        "I recommend Green Curry, 12 dollars, ready in 20 minutes. Shall I order it?",
+    ]
+    review, _, _ = run(concierge, actions)
+    assert [verdict(review, t, "T10") for t in range(5)] == [
+        "pass",
+        "violate",
+        "n/a",
+        "violate",
+        "pass",
+    ]
+    review, _, _ = run(concierge, ["Hi!", "Which cuisine would you like today?"], task=VAGUE)
+    assert verdict(review, 1, "T10") == "pass"  # not an opening line: a question the task needs
 
 
 def test_rewards_trace_to_clauses(concierge):
     review, traj, pc = run(concierge, ["@search thai", "I recommend Tofu Satay."])
     rewards, valid, contrib = turn_rewards(review, pc)
     assert len(rewards) == 2 and valid == [False, True]  # a named-cuisine search: no clause applies
-    # turn 1: A1 violated (w3), A2 pass (3), A3 pass (3), A4 pass (2), T1 violated (2), T3 pass (1)
+    # turn 1: A1 violated (w3), A2 pass (3), A3 pass (3), A4 pass (2), T1 violated (2), T3 pass
+    # (1), T10 pass (1)
     assert contrib[1] == pytest.approx(
-        {"A1": -3 / 14, "A2": 3 / 14, "A3": 3 / 14, "A4": 2 / 14, "T1": -2 / 14, "T3": 1 / 14}
+        {
+            "A1": -3 / 15,
+            "A2": 3 / 15,
+            "A3": 3 / 15,
+            "A4": 2 / 15,
+            "T1": -2 / 15,
+            "T3": 1 / 15,
+            "T10": 1 / 15,
+        }
     )
-    assert rewards[1] == pytest.approx(sum(contrib[1].values())) == pytest.approx(4 / 14)
+    assert rewards[1] == pytest.approx(sum(contrib[1].values())) == pytest.approx(5 / 15)
     s_rewards, _, _ = turn_rewards(review, pc, mode="sum")
-    assert s_rewards[1] == pytest.approx(4.0)
+    assert s_rewards[1] == pytest.approx(5.0)
     assert global_reward(1, review, blend=0.5) == pytest.approx(0.5)  # overall: violate
     assert clause_pass_rates([review])["A1"] == 0.0
 
