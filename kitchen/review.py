@@ -155,7 +155,7 @@ def turn_rewards(
         else:
             rewards.append(0.0)
             valid.append(False)
-    worst = -1.0 if mode == "mean" else -float(sum(weights.values()))
+    worst = worst_reward(pc, mode)
     for t, ids in enumerate(broken):
         if ids:
             rewards[t], valid[t] = worst, True
@@ -169,6 +169,12 @@ def turn_rewards(
     for t in hit:
         rewards[t], valid[t], contrib[t] = worst, True, {"flagged": worst}
     return rewards, valid, contrib
+
+
+def worst_reward(pc: PersonalConstitution, mode: Literal["mean", "sum"] = "mean") -> float:
+    """The lowest local reward a turn can get: every clause broken (−1 in "mean" mode, minus the
+    sum of the clause weights in "sum" mode)."""
+    return -1.0 if mode == "mean" else -float(sum(c.weight for c in pc.clauses))
 
 
 def flagged_turns(review: Review) -> set[int]:

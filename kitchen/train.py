@@ -120,7 +120,13 @@ from kitchen.models import (
     use_adapter,
 )
 from kitchen.profile import split_profiles
-from kitchen.review import Review, clause_pass_rates, global_reward, turn_rewards
+from kitchen.review import (
+    Review,
+    clause_pass_rates,
+    global_reward,
+    turn_rewards,
+    worst_reward,
+)
 from kitchen.rollout import RolloutConfig, RolloutStats, render_prompt, rollout
 from kitchen.steps import Scored, StepSamples, advantages_for, ragged
 from kitchen.world import Trajectory, load_menu
@@ -194,6 +200,14 @@ class RewardConfig(StrictModel):
         ge=0,
         le=1,
         description="λ in R = (1−λ)·outcome + λ·[overall pass]. 0: the world's outcome only.",
+    )
+    truncated: Literal["worst", "drop"] = Field(
+        "worst",
+        description="A turn that ran out of its token budget before its end-of-turn token: "
+        "'worst' (default) trains on it with the lowest local reward (as if it broke every "
+        "clause); 'drop' leaves it out of the update. Measured on the main job (seed 2): with "
+        "'drop' nothing pushed back on rambling, and turns looping `It is vegetarian. It is "
+        "vegetarian. ...` to the budget rose from 0 to 20-30% of all turns.",
     )
 
 
@@ -551,6 +565,7 @@ class EpisodeRewards:
     valid: list[bool]  # [T] the turn carries a local signal
     contributions: list[dict[str, float]]  # [T] clause id → its share of local[t]
     outcome: float  # R, the global reward
+    truncated: bool = False  # truncated turns are trained on (with the worst local reward)
 
 
 def episode_rewards(
@@ -571,14 +586,22 @@ def episode_rewards(
             else 0
         )
         outcome = global_reward(done, r, reward.global_blend, reward.flagged)
+        keep = reward.truncated == "worst"
+        if keep:
+            worst = worst_reward(pc, reward.local_mode)
+            for ti in t.turns:
+                if ti.truncated and ti.turn < len(local):
+                    local[ti.turn], valid[ti.turn] = worst, True
+                    contrib[ti.turn] = {"truncated": worst}
         local = [x if v else 0.0 for x, v in zip(local, valid, strict=True)]
-        out.append(EpisodeRewards(local, valid, contrib, outcome))
+        out.append(EpisodeRewards(local, valid, contrib, outcome, keep))
     return out
 
 
-def trainable(traj: Trajectory) -> list:
-    """The turns of `traj` a policy update trains on: sampled, complete and not guarded."""
-    return [ti for ti in traj.turns if ti.tokens and not (ti.truncated or ti.guarded)]
+def trainable(traj: Trajectory, truncated: bool = False) -> list:
+    """The turns of `traj` a policy update trains on: sampled and not guarded; complete, or
+    truncated too with `truncated` (`RewardConfig.truncated == "worst"`)."""
+    return [ti for ti in traj.turns if ti.trainable(truncated)]
 
 
 def step_samples(
@@ -598,7 +621,7 @@ def step_samples(
         if not t.turns:
             continue
         g = returns_for(config, torch.tensor([rw.local]), torch.tensor([rw.outcome]))[0]  # [T]
-        for ti in trainable(t):
+        for ti in trainable(t, rw.truncated):
             cols["state"].append(ti.exact_key)
             cols["abstract"].append(ti.abstract_key)
             cols["group"].append(group_of(i))
@@ -1317,8 +1340,8 @@ def untrained_problem(run: Run) -> Problem | None:
         loc = ("rollout", "max_new_tokens")
         why = (
             f"{last} all {len(turns)} turns ran out of the {r.rollout.max_new_tokens}-token "
-            "budget before their end-of-turn token (truncated turns are never trained on); "
-            "raise it"
+            "budget before their end-of-turn token (reward.truncated = drop leaves them out); "
+            "raise it, or train on them with reward.truncated = worst"
         )
     else:
         loc = ("rollout",)

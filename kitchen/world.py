@@ -546,12 +546,21 @@ class TurnInfo(BaseModel):
     abstract_key: str
     tokens: list[int] | None = Field(None, description="The policy's action token ids.")
     logprobs: list[float] | None = Field(None, description="Their log-probs at collection.")
-    truncated: bool = Field(False, description="Generation hit the token budget (not trained on).")
+    truncated: bool = Field(
+        False,
+        description="Generation hit the token budget (trained on with the worst local reward, "
+        "or not at all: `RewardConfig.truncated`).",
+    )
     guarded: bool = Field(
         False,
         description="The axiom guard replaced the policy's action with "
         "its fallback (not trained on).",
     )
+
+    def trainable(self, truncated: bool = False) -> bool:
+        """A policy update can train on this turn: the policy sampled it, the guard kept it,
+        and it ended before the token budget (or `truncated`: a truncated turn counts too)."""
+        return bool(self.tokens) and not self.guarded and (truncated or not self.truncated)
 
 
 class Outcome(BaseModel):

@@ -17,7 +17,7 @@ def test_validate_ok():
     res = run_cli("constitution", "validate", GOOD)
     assert res.returncode == 0
     (line,) = res.stdout.strip().splitlines()
-    assert line.startswith(f"{GOOD}: ok: concierge@") and "4 axioms, 9 theorems" in line
+    assert line.startswith(f"{GOOD}: ok: concierge@") and "4 axioms, 10 theorems" in line
 
 
 def test_validate_bad_file_gives_located_lines_and_exit_2(tmp_path):

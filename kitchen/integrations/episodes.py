@@ -9,8 +9,9 @@ that row from a `Trajectory`:
 
     prompt     = chat template of (system, diner request) + "<|im_start|>assistant\\n"
     completion = a_0  g_1  a_1  g_2 ... a_{T-1}  [tail]
-        a_t  the tokens the policy sampled at turn t (mask 1; 0 when truncated or replaced by
-             the axiom guard, which the kit never trains on)
+        a_t  the tokens the policy sampled at turn t (mask 1; 0 when replaced by the axiom
+             guard, which the kit never trains on, or truncated unless `truncated` says to train
+             on truncated turns — `RewardConfig.truncated = "worst"`)
         g_t  the template text between the end of action t−1 and the start of action t: its
              `<|im_end|>`, the tool result or diner reply, and the next assistant header (mask 0)
         tail the text after the last action (verl only: the world's last reply, so that verl's
@@ -92,7 +93,9 @@ class EpisodeTokens:
     drift: int = 0  # turns whose later context differs from what the policy saw
 
 
-def episode_tokens(tok: Any, traj: Trajectory, *, tail: bool = False) -> EpisodeTokens:
+def episode_tokens(
+    tok: Any, traj: Trajectory, *, tail: bool = False, truncated: bool = False
+) -> EpisodeTokens:
     """The episode `traj` as one (prompt, completion) token row with a policy-token mask.
 
     `spans[t]` is where turn t's action lies in the completion (also for masked turns).
@@ -110,7 +113,7 @@ def episode_tokens(tok: Any, traj: Trajectory, *, tail: bool = False) -> Episode
         content = traj.messages[ti.message].get("content") or ""
         if ti.tokens:
             ids, lps = list(ti.tokens), list(ti.logprobs or [0.0] * len(ti.tokens))
-            trainable = not (ti.truncated or ti.guarded)
+            trainable = ti.trainable(truncated)
             closed = ids[-1] == eos  # the action carries its own <|im_end|>
             body = tok.decode(ids[:-1] if closed else ids, skip_special_tokens=False)
             out.drift += body != content and k + 1 < len(traj.turns)

@@ -394,8 +394,13 @@ class ConciergeRollout:
     on one process the first call plays the same episodes as the kit's first iteration.
     """
 
-    def __init__(self, jobs: Sequence[Job], cfg: RolloutConfig, seed: int = 0):
+    def __init__(
+        self, jobs: Sequence[Job], cfg: RolloutConfig, seed: int = 0, truncated: bool = False
+    ):
+        """`truncated`: truncated turns keep mask 1 (`RewardConfig.truncated = "worst"`: the
+        kit's advantages train on them); False masks them, as the stock GRPOTrainer path does."""
         self.jobs, self.cfg, self.seed = list(jobs), cfg, seed
+        self.truncated = truncated
         self.menu = load_menu()
         self.calls = 0
         self.job_ids: list[int] | None = None  # set by MAPOTrainer before each call
@@ -452,7 +457,9 @@ class ConciergeRollout:
             t.id = f"c{call}:p{proc}:{b}"  # unique over processes and calls
             batch.trajs.append(t)
             batch.pcs.append(self.jobs[j][1])
-            batch.tokens.append(episode_tokens(trainer.processing_class, t))
+            batch.tokens.append(
+                episode_tokens(trainer.processing_class, t, truncated=self.truncated)
+            )
             # one task group per (call, job): TRL's sampler may split a group over processes,
             # and both halves then share the key
             batch.groups.append(f"c{call}:{j}")
@@ -526,7 +533,9 @@ class MAPOTrainer(GRPOTrainer):
             )
         self.kitchen_advantage = advantage
         self.kitchen_reward = reward
-        self.kitchen_rollout = ConciergeRollout(jobs, rollout, seed)
+        self.kitchen_rollout = ConciergeRollout(
+            jobs, rollout, seed, truncated=reward.reward.truncated == "worst"
+        )
         self.kitchen_buffer = ReplayBuffer(buffer or BufferConfig())
         self.kitchen_calls = 0
         self.history: deque[dict[str, Any]] = deque(maxlen=keep_history)

@@ -48,6 +48,9 @@ The limits, in the order a user meets them:
 - The review runs in verl's reward-loop workers (CPU actors): the rule judge, or a GRM checkpoint
   small enough to load there (the tiny GRM). A large GRM served by verl's reward-model router
   is not wired in (the prompt and parser in `kitchen.grm` are the pieces to reuse).
+- Truncated turns are masked out of the agent loop's rows (the loop runs without the recipe),
+  so `reward.truncated = "worst"` does not reach verl: a turn that runs out of its budget is
+  left out of the update there, as with "drop".
 - The α schedule counts estimator calls (one per training step) in the trainer process; the
   action's tokens stand in as a hash for the buffer's de-duplication (the estimator sees no
   token ids).
@@ -340,7 +343,7 @@ def review_episode(
     review = judge(traj, pc) if reviewer is None else reviewer.review([traj], [pc])[0]
     rewards = episode_rewards([traj], [review], [pc], reward)[0]
     r = TurnRewards(rewards.outcome)
-    trained = trainable(traj)  # the turns that are spans of the episode row
+    trained = trainable(traj)  # the turns the agent loop's row masks in (never truncated ones)
     r.turns = [rewards.local[ti.turn] for ti in trained]
     r.valid = [bool(rewards.valid[ti.turn]) for ti in trained]
     extra = {
