@@ -962,7 +962,9 @@ class Run:
         eps = episodes(2, split="train", seed=r.seed, constitution=self.constitution)
         with torch.random.fork_rng(devices=[]):  # the run's own draws stay as they were
             reviews = g.review([t for t, _ in eps], [pc for _, pc in eps])
-        parsed = mean(x.parsed_fraction for x in reviews if x.verdicts)
+        ruled = set(g.cfg.ruled)  # the rule judge's verdicts are not the GRM's writing
+        own = [v.verdict is not None for x in reviews for v in x.verdicts if v.clause not in ruled]
+        parsed = mean(own) if own else 1.0
         if not parsed >= PREFLIGHT_PARSED:
             return [
                 r.problem(

@@ -111,7 +111,7 @@ def test_estimator_equals_kitchen_on_the_layout_alone(episodes, monkeypatch):
 
     kv.register()
     monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "mapo", kv.MAPOEstimator())
-    reward = RewardConfig(reviewer="judge", global_blend=0.5)
+    reward = RewardConfig(reviewer="judge", global_blend=0.5, truncated="drop")  # as verl's rows
     mask, rewards, _ = verl_batch(episodes, reward)
     data = DataProto.from_dict(
         tensors={"token_level_rewards": rewards, "response_mask": mask},
@@ -146,7 +146,7 @@ def test_estimator_with_state_keys_equals_kitchens_own_loop(episodes):
     estimator reproduces what `kitchen cook` computes — the oracle: step samples → replay buffer
     → advantages — over two calls, so the second one's state groups hold the first one's history
     and α's schedule moves."""
-    reward = RewardConfig(reviewer="judge", global_blend=0.5)
+    reward = RewardConfig(reviewer="judge", global_blend=0.5, truncated="drop")  # as verl's rows
     mask, rewards, scored = verl_batch(episodes, reward)
     rm_scores = kv.layout(
         [[] for _ in scored],

@@ -454,13 +454,15 @@ def test_preflight_rejects_a_reviewer_that_cannot_write_reviews(runs_dir):
 
 
 def test_a_run_that_trains_on_nothing_stops_with_a_located_error(runs_dir):
-    """Every turn truncated by a 2-token budget: after `max_untrained_iterations` such
-    iterations the run stops at rollout.max_new_tokens, and the metrics it logged say NaN for
-    rates over nothing and 0 step samples, never a perfect score."""
+    """Every turn truncated by a 2-token budget and truncated turns left out
+    (`reward.truncated = drop`): after `max_untrained_iterations` such iterations the run stops at
+    rollout.max_new_tokens, and the metrics it logged say NaN for rates over nothing and 0 step
+    samples, never a perfect score."""
     recipe = tiny_recipe(
         "idle",
         rollout={"max_new_tokens": 2, "max_turns": 2},
         train={"iterations": 5, "max_untrained_iterations": 2},
+        reward={"truncated": "drop"},
     )
     with pytest.raises(KitchenError) as e:
         cook(recipe, progress=False)
@@ -473,7 +475,9 @@ def test_a_run_that_trains_on_nothing_stops_with_a_located_error(runs_dir):
     assert m["rollout/truncated_frac"].to_list() == [1.0, 1.0]
     assert m["reward/local_mean"].is_nan().all() and "loss/total" not in m.columns
     # a one-iteration run that never trained is an error too, even below the limit
-    once = tiny_recipe("idle-once", rollout={"max_new_tokens": 2, "max_turns": 2})
+    once = tiny_recipe(
+        "idle-once", rollout={"max_new_tokens": 2, "max_turns": 2}, reward={"truncated": "drop"}
+    )
     with pytest.raises(KitchenError, match="trained on nothing"):
         cook(
             once.model_copy(update={"train": once.train.model_copy(update={"iterations": 1})}),
@@ -542,3 +546,33 @@ def test_a_diverged_update_stops_before_its_optimiser_step(runs_dir, monkeypatch
     assert p.where == "train.lr" and "diverged" in p.message
     after = lora_state(run.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_truncated_turns_train_with_the_worst_local_reward_or_not_at_all(concierge):
+    """`reward.truncated`: 'worst' trains on a turn that ran out of its token budget with the
+    lowest local reward (whatever its review said); 'drop' leaves it out of the step samples."""
+    from kitchen.jobs import pair_jobs
+    from kitchen.judge import judge
+    from kitchen.train import RewardConfig, episode_rewards
+    from kitchen.train import step_samples as make_samples
+    from kitchen.world import World
+
+    task, pc, diner = pair_jobs("train", 1, 0, concierge)[0]
+    w = World()
+    w.reset(task, pc.dimensions, profile=pc.profile, diner=diner)
+    w.step("Hello! Happy to help you today.", tokens=[5, 6], logprobs=[-1.0, -1.0])
+    w.step(
+        "It is vegetarian. It is vegetarian. It is",
+        tokens=[7] * 3,
+        logprobs=[-1.0] * 3,
+        truncated=True,
+    )
+    trajs, pcs = [w.traj], [pc]
+    reviews = [judge(w.traj, pc)]
+    cfg = tiny_recipe("m").advantage.resolve()
+    (worst,) = episode_rewards(trajs, reviews, pcs, RewardConfig(reviewer="judge"))
+    assert worst.local[1] == -1.0 and worst.valid[1] and worst.contributions[1] == {"truncated": -1}
+    assert make_samples(trajs, [worst], cfg, lambda i: i).turn.tolist() == [0, 1]
+    drop = episode_rewards(trajs, reviews, pcs, RewardConfig(reviewer="judge", truncated="drop"))
+    assert drop[0].local[1] != -1.0
+    assert make_samples(trajs, drop, cfg, lambda i: i).turn.tolist() == [0]

@@ -341,6 +341,7 @@ def review_episode(
     """Review one episode: (R with its turn rewards, reward_extra_info). Extra info values are
     scalars or JSON strings, since verl stacks each key over the batch into one array."""
     review = judge(traj, pc) if reviewer is None else reviewer.review([traj], [pc])[0]
+    reward = reward.model_copy(update={"truncated": "drop"})  # the rows mask them (docstring)
     rewards = episode_rewards([traj], [review], [pc], reward)[0]
     r = TurnRewards(rewards.outcome)
     trained = trainable(traj)  # the turns the agent loop's row masks in (never truncated ones)
