@@ -487,7 +487,9 @@ def merge_cascade(grm_review: Review | None, rule_review: Review, cascade: Seque
         for v in grm_review.verdicts
     ]
     seen = {v.clause for v in grm_review.verdicts} | set(grm_review.clauses)
-    out += [v for v in rule_review.verdicts if v.clause in take and v.clause not in seen]  # rule_only
+    out += [
+        v for v in rule_review.verdicts if v.clause in take and v.clause not in seen
+    ]  # rule_only
     out.sort(key=lambda v: v.turn)  # stable: each turn's verdicts stay in clause order
     produced = sum(v.verdict is not None for v in out)
     return grm_review.model_copy(
