@@ -287,18 +287,18 @@ class GRM:
         convs: dict[tuple[int, int, int], list[str]] = {}
         spans: dict[tuple[int, int, int], tuple[int, int]] = {}
         rules: list[Review | None] = [None] * len(trajectories)
+        views = [self.shown(pc) for pc in pcs]  # what the GRM reads of each constitution
         for i, (traj, pc) in enumerate(zip(trajectories, pcs, strict=True)):
             if set(cfg.ruled) & set(pc.ids):
                 rules[i] = judge(traj, pc, self.menu)
                 if set(pc.ids) <= set(cfg.ruled):
                     continue  # nothing left for the GRM
-            shown = self.shown(pc)
             windows = plan_windows(
-                len(traj.turns), self._fits(traj, shown, budget), max_turns=cfg.max_window_turns
+                len(traj.turns), self._fits(traj, views[i], budget), max_turns=cfg.max_window_turns
             )
             for w, (first, last, opts) in enumerate(windows):
                 users = review_turns(
-                    traj, shown, first=first, last=last, clause_text=cfg.clause_text, **opts
+                    traj, views[i], first=first, last=last, clause_text=cfg.clause_text, **opts
                 )
                 for s in range(cfg.samples):
                     convs[(i, w, s)] = users
@@ -316,7 +316,7 @@ class GRM:
                 r = parse_review(
                     written,
                     turns=range(len(traj.turns)),
-                    clauses=self.shown(pc).ids,
+                    clauses=views[i].ids,
                     trajectory=traj.id,
                     personal_version=pc.version,
                 )
@@ -486,10 +486,8 @@ def merge_cascade(grm_review: Review | None, rule_review: Review, cascade: Seque
         else v
         for v in grm_review.verdicts
     ]
-    seen = {v.clause for v in grm_review.verdicts} | set(grm_review.clauses)
-    out += [
-        v for v in rule_review.verdicts if v.clause in take and v.clause not in seen
-    ]  # rule_only
+    shown = set(grm_review.clauses)  # the rule_only clauses are not among them
+    out += [v for v in rule_review.verdicts if v.clause in take and v.clause not in shown]
     out.sort(key=lambda v: v.turn)  # stable: each turn's verdicts stay in clause order
     produced = sum(v.verdict is not None for v in out)
     return grm_review.model_copy(

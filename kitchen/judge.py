@@ -179,11 +179,8 @@ def replay(traj: Trajectory, menu: Menu | None = None) -> list[Turn]:
         elif a.kind == "tool" and a.tool == "order" and turn.dish and turn.courses:
             st.served.setdefault(turn.dish.course, turn.dish.name)
             st.recommended = False  # the next course: T4 looks for its recommendation again
-        if a.kind == "tool" and a.tool == "order":
-            st.opening = True  # T10: the next course (or the goodbye) may open with a line
         elif a.kind == "say":
             st.opening = False
-        if a.kind == "say":
             if turn.dish:
                 st.recommended = True
                 if REJECT_RE.match(reply):
@@ -192,6 +189,8 @@ def replay(traj: Trajectory, menu: Menu | None = None) -> list[Turn]:
                     st.agreed.add(turn.dish.name)
             elif asks_cuisine(a.text):
                 st.cuisine_told = True
+        if a.kind == "tool" and a.tool == "order":
+            st.opening = True  # T10: the next course (or the goodbye) may open with a line
     return out
 
 
