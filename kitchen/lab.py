@@ -221,6 +221,8 @@ def train(
     config: LabConfig, adv: AdvantageConfig, seeds: int = 10, *, stop_at_target: bool = True
 ) -> LabRun:
     """Train `adv` on `seeds` worlds for up to `config.updates` updates; see the module doc."""
+    if adv.kl_target is not None:  # the seeds share one θ tensor, so they would share one β
+        raise ValueError("the lab keeps β fixed (its seeds train as one batch): set kl_target: null")
     with one_thread():
         return _train(config, adv, seeds, stop_at_target)
 

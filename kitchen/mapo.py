@@ -422,6 +422,21 @@ def kl_penalty(
     return k3 if clamp is None else k3.clamp(-clamp, clamp)
 
 
+def adaptive_beta(beta: float, kl: float, target: float, floor: float, step: float = 2.0) -> float:
+    """The next iteration's KL coefficient, proportional to the KL just measured:
+
+        β_{t+1} = max(β_0, β_t · clip(KL_t / KL_target, 1/s, s))
+
+    KL above the target tightens the leash (at most ×s per iteration), below it loosens it,
+    never below the recipe's β_0 (`floor`). Ziegler et al. (2019) adapt β the same way with a
+    slower, clipped proportional step over a long horizon; an iteration here is a large step, so
+    the factor is the ratio itself, bounded by s. A NaN KL leaves β as it is.
+    """
+    if not math.isfinite(kl):
+        return beta
+    return max(floor, beta * min(max(kl / target, 1.0 / step), step))
+
+
 def aggregate(
     loss: Tensor,
     mask: Tensor,
@@ -638,6 +653,12 @@ class AdvantageConfig(StrictModel):
         "k3",
         description="KL estimator: k3 (low variance, ≥ 0) as the method (docs/method.md#policy-update) and GRPO use.",
     )
+    kl_target: float | None = Field(
+        None,
+        gt=0.0,
+        description="Adaptive β (`adaptive_beta`): after each iteration β is scaled by the "
+        "measured KL over this target (×½ … ×2), never below `beta`. None keeps β fixed.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AdvantageConfig:
@@ -652,6 +673,8 @@ class AdvantageConfig(StrictModel):
             )
         if self.replay_in_gradient and not self.use_buffer:
             raise ValueError("replay_in_gradient needs use_buffer: true")
+        if self.kl_target is not None and not self.beta:
+            raise ValueError("kl_target adapts β upward from beta: set beta > 0 (e.g. 0.02)")
         return self
 
     def loss_kwargs(self) -> dict:
@@ -923,7 +946,7 @@ def preset(key: str, /, **overrides) -> AdvantageConfig:
 
 # Fields that are not the advantage estimator: what counts as the same state (the world's keys),
 # and the loss (aggregation, KL, importance-weight cap). A comparison of estimators holds them.
-SHARED_FIELDS = ("state_key", "loss_agg", "norm_len", "beta", "kl", "is_cap")
+SHARED_FIELDS = ("state_key", "loss_agg", "norm_len", "beta", "kl", "kl_target", "is_cap")
 
 
 def one_factor(arm: AdvantageConfig, base: AdvantageConfig) -> AdvantageConfig:
@@ -1030,6 +1053,10 @@ def describe(config: AdvantageConfig | str) -> str:
     lines.append(f"  loss     = {c.loss_agg} of  −{weight}A·log π(a){kl}  over action tokens")
     if c.replay_in_gradient:
         lines.append("             replayed history enters with truncated importance weights")
+    if c.kl_target is not None:
+        lines.append(
+            f"             β adapts each iteration: × KL / {c.kl_target:g} (½ … 2), never below {c.beta:g}"
+        )
     return "\n".join(lines)
 
 

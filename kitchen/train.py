@@ -104,6 +104,7 @@ from kitchen.mapo import (
     PRESETS,
     SHARED_FIELDS,
     AdvantageConfig,
+    adaptive_beta,
     mapo_loss,
     preset,
     returns_for,
@@ -851,6 +852,7 @@ class Run:
         self.iteration = 0
         self.updates = 0
         self.first_entropy: float | None = None
+        self.beta = self.adv_cfg.beta  # the KL coefficient now (adapted if kl_target is set)
         self.metrics: list[dict[str, Any]] = []
         self.trajs: dict[str, tuple[Trajectory, PersonalConstitution]] = {}
         split_profiles("train")  # no training diner: a located error, not a crash in the draw
@@ -1090,7 +1092,7 @@ class Run:
                     ref_logp=ref,
                     old_logp=old[idx][:, : logp.shape[1]].to(dev) if replay else None,
                     is_cap=cfg.is_cap if replay else None,
-                    **cfg.loss_kwargs(),
+                    **cfg.loss_kwargs() | {"beta": self.beta},
                 )
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -1115,6 +1117,11 @@ class Run:
         out["speed/update_tokens_per_s"] = tokens_seen / max(out["time/update_s"], 1e-9)
         out["train/step_samples"] = len(items)
         out["train/lr"] = lr
+        out["kl/beta"] = self.beta
+        if cfg.kl_target is not None:
+            self.beta = adaptive_beta(
+                self.beta, out.get("kl/mean", math.nan), cfg.kl_target, cfg.beta
+            )
         ent = out.get("policy/entropy", math.nan)
         if self.first_entropy is None and math.isfinite(ent):
             self.first_entropy = ent
@@ -1188,6 +1195,7 @@ class Run:
             "updates": self.updates,
             "iteration": self.iteration,
             "first_entropy": self.first_entropy,
+            "beta": self.beta,
             "metrics": self.metrics,
             "trajs": {
                 k: (t.model_dump(mode="json"), pc.model_dump(mode="json"))
@@ -1223,6 +1231,7 @@ class Run:
         self.buffer = state["buffer"]
         self.updates, self.iteration = state["updates"], state["iteration"]
         self.first_entropy, self.metrics = state["first_entropy"], state["metrics"]
+        self.beta = state.get("beta", self.adv_cfg.beta)  # checkpoints before kl_target: fixed β
         self.trajs = {
             k: (Trajectory.model_validate(t), PersonalConstitution.model_validate(pc))
             for k, (t, pc) in state["trajs"].items()

@@ -513,6 +513,25 @@ def test_kl_estimators():
     assert (kl_penalty(logp, ref, "k3") >= 0).all()
 
 
+def test_adaptive_beta_follows_the_kl_within_bounds():
+    """β ← max(β_0, β · clip(KL / target, ½, 2)): tighter when KL is high, back to β_0 when low."""
+    assert mapo.adaptive_beta(0.02, 0.3, 0.15, 0.02) == pytest.approx(0.04)  # ratio 2
+    assert mapo.adaptive_beta(0.02, 1.5, 0.15, 0.02) == pytest.approx(0.04)  # ratio 10, capped
+    assert mapo.adaptive_beta(0.08, 0.12, 0.15, 0.02) == pytest.approx(0.064)  # loosened ×0.8
+    assert mapo.adaptive_beta(0.08, 0.0, 0.15, 0.02) == pytest.approx(0.04)  # at most ×½
+    assert mapo.adaptive_beta(0.03, 0.0, 0.15, 0.02) == pytest.approx(0.02)  # never below β_0
+    assert mapo.adaptive_beta(0.05, math.nan, 0.15, 0.02) == 0.05
+    beta, kls = 0.02, [0.3, 0.6, 0.6, 0.05, 0.05, 0.05]  # a drift, then back under the target
+    trace = []
+    for kl in kls:
+        beta = mapo.adaptive_beta(beta, kl, 0.15, 0.02)
+        trace.append(beta)
+    assert trace == pytest.approx([0.04, 0.08, 0.16, 0.08, 0.04, 0.02])
+    with pytest.raises(ValueError, match="set beta > 0"):
+        mapo.AdvantageConfig(kl_target=0.1)
+    assert "β adapts" in mapo.describe(mapo.preset("mapo", beta=0.02, kl_target=0.15))
+
+
 def test_truncated_importance_weights():
     """Sequence level: min(Π ratio, cap); token level: min(ratio, cap); clipped flags."""
     logp = torch.log(t(0.5, 0.5, 0.9, 0.1)).reshape(2, 2)

@@ -183,8 +183,11 @@ def test_update_moves_weights_toward_positive_advantages(runs_dir):
 
 def test_resume_reaches_the_same_result(runs_dir):
     """A run killed after its first checkpoint and resumed ends where an uninterrupted run ends."""
-    cosine = {"lr_schedule": "cosine"}  # the learning rate of a resumed iteration comes back too
-    straight = cook(tiny_recipe("straight", train=cosine), progress=False)
+    # the learning rate of a resumed iteration comes back too; two minibatches: KL > 0 in the first
+    cosine = {"lr_schedule": "cosine", "minibatch": 4}
+    # and so does an adapted β (a target this small doubles it after every iteration that drifts)
+    adaptive = {"overrides": {"beta": 0.02, "state_key": "abstract", "kl_target": 1e-6}}
+    straight = cook(tiny_recipe("straight", train=cosine, advantage=adaptive), progress=False)
 
     class Crash(Exception):
         pass
@@ -193,7 +196,7 @@ def test_resume_reaches_the_same_result(runs_dir):
         if run.iteration == 1:
             raise Crash
 
-    recipe = tiny_recipe("resumed", train=cosine)
+    recipe = tiny_recipe("resumed", train=cosine, advantage=adaptive)
     with pytest.raises(Crash):
         cook(recipe, progress=False, on_iteration=crash_after_first)
     folder = runs_dir / "resumed"
@@ -203,6 +206,8 @@ def test_resume_reaches_the_same_result(runs_dir):
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
     assert [m["train/lr"] for m in straight.metrics] == pytest.approx([3e-3, 3e-4])
+    assert [m["kl/beta"] for m in straight.metrics] == pytest.approx([0.02, 0.04])
+    assert straight.beta == resumed.beta == pytest.approx(0.08)
     keep = [k for k in straight.metrics[-1] if not k.startswith(("speed/", "time/"))]
     for x, y in zip(straight.metrics, resumed.metrics, strict=True):
         assert {k: x.get(k) for k in keep} == pytest.approx(

@@ -204,6 +204,10 @@ def check_supported(cfg: AdvantageConfig) -> None:
         )
     if cfg.beta and cfg.kl != "k3":
         raise KitchenError("advantage.kl: TRL's KL penalty is k3; set kl: k3 (or beta: 0)")
+    if cfg.kl_target is not None:
+        raise KitchenError(
+            "advantage.kl_target: TRL's GRPOTrainer keeps beta fixed; set kl_target: null"
+        )
 
 
 def _checkpointing_field() -> str:
