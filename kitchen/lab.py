@@ -222,7 +222,9 @@ def train(
 ) -> LabRun:
     """Train `adv` on `seeds` worlds for up to `config.updates` updates; see the module doc."""
     if adv.kl_target is not None:  # the seeds share one θ tensor, so they would share one β
-        raise ValueError("the lab keeps β fixed (its seeds train as one batch): set kl_target: null")
+        raise ValueError(
+            "the lab keeps β fixed (its seeds train as one batch): set kl_target: null"
+        )
     with one_thread():
         return _train(config, adv, seeds, stop_at_target)
 

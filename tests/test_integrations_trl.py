@@ -199,6 +199,10 @@ def test_recipe_maps_to_grpo_config_and_rejects_what_trl_cannot_do():
         grpo_config(recipe(advantage={"preset": "mapo", "overrides": {"replay_in_gradient": True}}))
     with pytest.raises(KitchenError, match="k3"):
         grpo_config(recipe(advantage={"preset": "mapo", "overrides": {"beta": 0.1, "kl": "k1"}}))
+    with pytest.raises(KitchenError, match="keeps beta fixed"):
+        grpo_config(
+            recipe(advantage={"preset": "mapo", "overrides": {"beta": 0.1, "kl_target": 0.1}})
+        )
     # the recipe's learning-rate schedule, not a constant one: cosine falls to lr_final · lr
     assert args.lr_scheduler_type == "constant"
     cos = grpo_config(

@@ -117,9 +117,11 @@ def test_credit_snapshot_separates_good_actions_from_traps():
 
 
 def test_lab_config_validation():
-    """The key turn must lie inside the horizon."""
+    """The key turn must lie inside the horizon; an adaptive β is refused."""
     with pytest.raises(ValidationError, match="key_step 4 must be below horizon 4"):
         lab.LabConfig(horizon=4, key_step=4)
+    with pytest.raises(ValueError, match="keeps β fixed"):  # its seeds would share one β
+        lab.train(small(), mapo.preset("mapo", beta=0.02, kl_target=0.1), seeds=2)
 
 
 def test_04_credit_assignment_values():
