@@ -221,7 +221,7 @@ def train(
     config: LabConfig, adv: AdvantageConfig, seeds: int = 10, *, stop_at_target: bool = True
 ) -> LabRun:
     """Train `adv` on `seeds` worlds for up to `config.updates` updates; see the module doc."""
-    if adv.kl_target is not None:  # the seeds share one θ tensor, so they would share one β
+    if adv.kl_target is not None:  # its runs share one θ tensor, so they would share one β
         raise ValueError(
             "the lab keeps β fixed (its seeds train as one batch): set kl_target: null"
         )
