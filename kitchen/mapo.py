@@ -412,29 +412,49 @@ def kl_penalty(
         k1 = log π − log π_ref                     (unbiased, high variance; verl "kl")
         k3 = exp(d) − d − 1,  d = log π_ref − log π (≥ 0, low variance; verl "low_var_kl")
 
-    For k3, d is clamped to [−20, 20] and the result to [−clamp, clamp] as verl's
-    `kl_penalty_forward` does (`clamp=None` gives TRL's unclamped form). Shapes: [B, T] → [B, T].
+    For k3, d is clamped to [−20, 20] and, where d > 0, the result to `clamp` (`None`: TRL's
+    unclamped form). Only that side: there exp(d) explodes on a token the policy has all but
+    abandoned. Where d < 0 — the policy has put its mass on a token the reference finds unlikely,
+    which is what a drifting policy samples — k3 ≈ −d − 1 grows only linearly, its gradient in
+    log π is 1 − exp(d) ≤ 1, and a clamp there (verl's `kl_penalty_forward` clamps both sides)
+    would zero the very gradient that pulls the policy back: measured on the main job, a seed
+    whose KL passed ~3 never came back, its β doubling to 10⁹. Shapes: [B, T] → [B, T].
     """
     if kind == "k1":
         return logp - ref_logp
     d = (ref_logp - logp).clamp(-20.0, 20.0)
     k3 = torch.exp(d) - d - 1.0
-    return k3 if clamp is None else k3.clamp(-clamp, clamp)
+    return k3 if clamp is None else torch.where(d > 0, k3.clamp(max=clamp), k3)
 
 
-def adaptive_beta(beta: float, kl: float, target: float, floor: float, step: float = 2.0) -> float:
+#: The most `adaptive_beta` raises β to. Advantages are z-scores (|A| ≈ 1), so at β = 10 the KL
+#: term outweighs the policy gradient many times over; past that a larger β changes only the
+#: gradient's scale, which the clip and Adam take out again, while recovering from it costs one
+#: halving per iteration.
+BETA_MAX = 10.0
+
+
+def adaptive_beta(
+    beta: float,
+    kl: float,
+    target: float,
+    floor: float,
+    step: float = 2.0,
+    ceiling: float = BETA_MAX,
+) -> float:
     """The next iteration's KL coefficient, proportional to the KL just measured:
 
-        β_{t+1} = max(β_0, β_t · clip(KL_t / KL_target, 1/s, s))
+        β_{t+1} = min(β_max, max(β_0, β_t · clip(KL_t / KL_target, 1/s, s)))
 
     KL above the target tightens the leash (at most ×s per iteration), below it loosens it,
-    never below the recipe's β_0 (`floor`). Ziegler et al. (2019) adapt β the same way with a
-    slower, clipped proportional step over a long horizon; an iteration here is a large step, so
-    the factor is the ratio itself, bounded by s. A NaN KL leaves β as it is.
+    never below the recipe's β_0 (`floor`) nor above `ceiling` (`BETA_MAX`, or β_0 if that is
+    larger). Ziegler et al. (2019) adapt β the same way with a slower, clipped proportional step
+    over a long horizon; an iteration here is a large step, so the factor is the ratio itself,
+    bounded by s. A NaN KL leaves β as it is.
     """
     if not math.isfinite(kl):
         return beta
-    return max(floor, beta * min(max(kl / target, 1.0 / step), step))
+    return min(max(ceiling, floor), max(floor, beta * min(max(kl / target, 1.0 / step), step)))
 
 
 def aggregate(
@@ -1055,7 +1075,8 @@ def describe(config: AdvantageConfig | str) -> str:
         lines.append("             replayed history enters with truncated importance weights")
     if c.kl_target is not None:
         lines.append(
-            f"             β adapts each iteration: × KL / {c.kl_target:g} (½ … 2), never below {c.beta:g}"
+            f"             β adapts each iteration: × KL / {c.kl_target:g} (½ … 2), "
+            f"within {c.beta:g} … {max(BETA_MAX, c.beta):g}"
         )
     return "\n".join(lines)
 

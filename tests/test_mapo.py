@@ -502,7 +502,7 @@ def test_each_loss_aggregation_by_hand():
 
 
 def test_kl_estimators():
-    """k1 = log π − log π_ref; k3 = e^d − d − 1 with d = log π_ref − log π (clamped as verl)."""
+    """k1 = log π − log π_ref; k3 = e^d − d − 1 with d = log π_ref − log π (clamped on the exponential side)."""
     logp, ref = t(-1.0, -2.0, -30.0), t(-1.5, -1.0, -0.1)
     assert_close(kl_penalty(logp, ref, "k1"), logp - ref)
     d = ref - logp
@@ -511,6 +511,19 @@ def test_kl_estimators():
     assert kl_penalty(logp, ref, "k3")[2].item() == 10.0  # clamped
     assert kl_penalty(logp, ref, "k3", clamp=None)[2].item() > 1e8
     assert (kl_penalty(logp, ref, "k3") >= 0).all()
+
+
+def test_k3_keeps_its_gradient_where_the_policy_drifted():
+    """The clamp bounds only the exponential side (d > 0). A token the policy now prefers far
+    more than the reference (d = −15, a drifted policy's sample) keeps k3 = −d − 1 = 14 and a
+    gradient 1 − e^d ≈ 1 that pulls log π back down; clamped, it would have none."""
+    logp = torch.tensor([-1.0, -16.0], requires_grad=True)
+    ref = torch.tensor([-16.0, -1.0])  # d = −15 (drifted onto it), d = +15 (abandoned)
+    k = kl_penalty(logp, ref, "k3")
+    assert k[0].item() == pytest.approx(14.0, abs=1e-4) and k[1].item() == 10.0
+    k.sum().backward()
+    assert logp.grad[0].item() == pytest.approx(1.0, abs=1e-4)  # descent lowers log π
+    assert logp.grad[1].item() == 0.0  # the clamped side: bounded value, no gradient
 
 
 def test_adaptive_beta_follows_the_kl_within_bounds():
@@ -527,6 +540,8 @@ def test_adaptive_beta_follows_the_kl_within_bounds():
         beta = mapo.adaptive_beta(beta, kl, 0.15, 0.02)
         trace.append(beta)
     assert trace == pytest.approx([0.04, 0.08, 0.16, 0.08, 0.04, 0.02])
+    assert mapo.adaptive_beta(8.0, 5.0, 0.1, 0.02) == mapo.BETA_MAX  # never above the ceiling
+    assert mapo.adaptive_beta(20.0, 5.0, 0.1, 20.0) == 20.0  # a β_0 above it stays the floor
     with pytest.raises(ValueError, match="set beta > 0"):
         mapo.AdvantageConfig(kl_target=0.1)
     assert "β adapts" in mapo.describe(mapo.preset("mapo", beta=0.02, kl_target=0.15))
