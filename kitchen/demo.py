@@ -50,7 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ from kitchen import charts, mapo, paths
 from kitchen.config import KitchenError
 from kitchen.evaluate import (
     EvalConfig,
+    compliance_difference,
     eval_jobs,
     evaluate,
     json_ready,
@@ -77,7 +78,14 @@ from kitchen.evaluate import (
 from kitchen.files import atomic_write_json, atomic_write_text, read_jsonl
 from kitchen.models import ModelSpec, load_model
 from kitchen.report import Section, run_sections, write_html
-from kitchen.train import Recipe, _home, latest_checkpoint, load_recipe, load_run_policy
+from kitchen.train import (
+    Recipe,
+    _home,
+    latest_checkpoint,
+    load_recipe,
+    load_run_policy,
+    run_checkpoint,
+)
 from kitchen.world import Trajectory, render_transcript
 
 METHODS = {"mapo": None, "grpo": "grpo"}  # method → the recipe's compare arm (None: itself)
@@ -111,8 +119,19 @@ def arms(
                 alpha = doc["advantage"]["overrides"].get("alpha")
                 if isinstance(alpha, dict) and alpha.get("steps"):
                     alpha["steps"] = iterations
+            doc["keep_checkpoints"] = sorted({*doc["keep_checkpoints"], half_point(doc)})
             out[name] = doc
     return out
+
+
+def half_point(doc: dict[str, Any]) -> int:
+    """The iteration at half a run's budget: every run keeps its checkpoint there, and MAPO's
+    is evaluated against GRPO's last (sample efficiency: the same level on half the episodes)."""
+    return max(1, doc["train"]["iterations"] // 2)
+
+
+def half_name(run: str) -> str:
+    return f"{run}-half"
 
 
 def _state(folder: Path, doc: dict[str, Any]) -> str:
@@ -271,6 +290,29 @@ def efficiency(mapo_curve: pl.DataFrame, grpo_curve: pl.DataFrame) -> dict[str, 
 # Held-out evaluation
 
 
+def half_budget(recipes, trajs, pcs, cfg, seed, prefix, kind, held) -> dict[str, Any]:
+    """Sample efficiency on the large held-out set: MAPO at half its budget (its kept
+    checkpoint) against GRPO at the end of the same budget, on `kind` tasks. `difference` is
+    the paired compliance of MAPO's half minus GRPO's final (mean, low, high); a mean ≥ 0 means
+    MAPO reached GRPO's final level with half of GRPO's episodes. None without the checkpoint."""
+    m, g = run_name("mapo", seed, prefix), run_name("grpo", seed, prefix)
+    h = half_name(m)
+    if h not in trajs or kind not in held[h]:
+        return {"difference": None}
+    doc = recipes[m]
+    per_it = doc["train"]["tasks_per_iteration"] * doc["rollout"]["k"]
+    mine, kpcs, idx = _split(trajs[h]["policy"], pcs, kind)
+    theirs = [trajs[g]["policy"][i] for i in idx]
+    return {
+        "mapo_episodes": half_point(doc) * per_it,
+        "grpo_episodes": doc["train"]["iterations"] * per_it,
+        "mapo_half": held[h][kind]["compliance"],
+        "mapo_final": held[m][kind]["compliance"],
+        "grpo_final": held[g][kind]["compliance"],
+        "difference": compliance_difference(mine, theirs, kpcs, cfg.bootstrap, cfg.seed),
+    }
+
+
 def _split(trajs, pcs, kind: str):
     idx = [i for i, t in enumerate(trajs) if bool(t.task.courses) == (kind == "long")]
     return [trajs[i] for i in idx], [pcs[i] for i in idx], idx
@@ -294,8 +336,8 @@ def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> tuple[str, int
     if name == "sft":
         folder = Path(where)
     else:
-        folder = latest_checkpoint(Path(where))
-        recipe = Path(where) / "recipe.yaml"
+        run, folder = run_checkpoint(where)
+        recipe = run / "recipe.yaml"
         if recipe.exists():
             h.update(json.dumps(models_digest(yaml.safe_load(recipe.read_text()))).encode())
     for f in sorted(folder.rglob("*.safetensors")) if folder else []:
@@ -304,18 +346,21 @@ def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> tuple[str, int
 
 
 def _play_held_out(
-    name: str, where: str, cfg: EvalConfig, cache: str | None = None
+    name: str, where: str, cfg: EvalConfig, cache: str | None = None, guard: bool = True
 ) -> tuple[str, dict[str, list]]:
-    """One policy's held-out episodes (with the guard for an RL policy), with one torch thread
-    (a worker process's, or the caller's for the length of the call): `where` is the SFT
-    checkpoint ("sft") or a training run's folder. With a `cache` file the episodes are kept
-    there and reused while their key still matches (`_played_key`), so an interrupted
-    evaluation resumes at the policies it had not finished."""
+    """One policy's held-out episodes (also with the axiom guard when `guard`; never for the SFT
+    policy), with one torch thread (a worker process's, or the caller's for the length of the
+    call): `where` is the SFT checkpoint ("sft"), a training run's folder or one of its
+    checkpoints. With a `cache` file the episodes are kept there and reused while their key
+    still matches (`_played_key`), so an interrupted evaluation resumes at the policies it had
+    not finished."""
+    guard = guard and name != "sft"
     key, played = _played_key(name, where, cfg)
     if cache and Path(cache).exists():
         saved = json.loads(Path(cache).read_text())
         eps = saved.get("episodes") or {}
-        if saved.get("key") == key and len(eps.get("policy", [])) == played:
+        fits = len(eps.get("policy", [])) == played and (not guard or bool(eps.get("guarded")))
+        if saved.get("key") == key and fits:
             return name, {v: [Trajectory.model_validate(t) for t in ts] for v, ts in eps.items()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -325,7 +370,7 @@ def _play_held_out(
             policy[0].eval()
         else:
             policy = load_run_policy(where)
-        _, eps = evaluate(policy, cfg, with_guard=name != "sft")
+        _, eps = evaluate(policy, cfg, with_guard=guard)
     finally:
         torch.set_num_threads(threads)
     if cache:
@@ -340,11 +385,13 @@ def held_out(
     progress: bool = True,
     parallel: int = 2,
     cache: str | os.PathLike | None = None,
+    unguarded: Collection[str] = (),
 ) -> tuple[dict[str, Any], dict[str, dict[str, list]]]:
-    """Every policy (name → the SFT checkpoint for "sft", a run folder for the others) on the
-    same held-out jobs and seeds, `parallel` policies at a time in worker processes (one torch
-    thread each; every episode is seeded, so the result does not depend on it), with the guard
-    for the RL ones; per task kind: reports, win rates vs "sft" and personalisation. A `cache`
+    """Every policy (name → the SFT checkpoint for "sft", a run folder or one of its checkpoints
+    for the others) on the same held-out jobs and seeds, `parallel` policies at a time in worker
+    processes (one torch thread each; every episode is seeded, so the result does not depend on
+    it), with the guard for the RL ones but those in `unguarded`; per task kind: reports, win
+    rates vs "sft" and personalisation. A `cache`
     folder keeps every policy's episodes (`<name>.json`), so a rerun plays only what changed.
     Returns (results by name, trajectories by name and variant)."""
     cache = Path(cache) if cache else None
@@ -360,12 +407,16 @@ def held_out(
     bar = tqdm(total=len(order), desc="held-out evaluation", disable=not progress)
     if parallel <= 1:
         for name in order:
-            trajs[name] = _play_held_out(name, str(policies[name]), cfg, kept(name))[1]
+            guard = name not in unguarded
+            trajs[name] = _play_held_out(name, str(policies[name]), cfg, kept(name), guard)[1]
             bar.update()
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=parallel, mp_context=ctx) as pool:
-            jobs = [pool.submit(_play_held_out, n, str(policies[n]), cfg, kept(n)) for n in order]
+            jobs = [
+                pool.submit(_play_held_out, n, str(policies[n]), cfg, kept(n), n not in unguarded)
+                for n in order
+            ]
             for job in as_completed(jobs):
                 name, eps = job.result()
                 trajs[name] = eps
@@ -395,6 +446,7 @@ def held_out(
                 row["win_rate_vs_sft"] = win_rate(
                     judged_scores(mine, kpcs), judged_scores(base, kpcs), cfg.bootstrap, cfg.seed
                 )
+            if eps.get("guarded"):
                 guarded, _, _ = _split(eps["guarded"], pcs, kind)
                 g = policy_report(guarded, kpcs)
                 row["guarded"] = {
@@ -466,8 +518,14 @@ def main_job(
     torch.set_num_threads(1)
     base = Recipe.model_validate(next(iter(recipes.values())))
     cfg = EvalConfig(tasks=eval_tasks, samples=eval_samples, long_share=base.eval.long_share)
-    policies = {"sft": paths.DATA / "models" / "policy-tiny", **folders}
-    held, trajs = held_out(policies, cfg, progress, cache=out / "held_out")
+    halves = {}  # every MAPO run as it was at half its budget (its kept checkpoint)
+    for seed in seeds:
+        m = run_name("mapo", seed, prefix)
+        ck = folders[m] / "checkpoints" / f"it-{half_point(recipes[m]):04d}"
+        if (ck / "state.pt").exists():
+            halves[half_name(m)] = ck
+    policies = {"sft": paths.DATA / "models" / "policy-tiny", **folders, **halves}
+    held, trajs = held_out(policies, cfg, progress, cache=out / "held_out", unguarded=set(halves))
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
 
     # the SFT policy's in-training held-out compliance: every curve starts there
@@ -509,6 +567,13 @@ def main_job(
             judged_scores(trajs[name]["policy"], pcs), sft_scores, cfg.bootstrap, cfg.seed
         )
         for name in folders
+    }
+    results["half_budget"] = {
+        kind: {
+            seed: half_budget(recipes, trajs, pcs, cfg, seed, prefix, kind, results["held_out"])
+            for seed in seeds
+        }
+        for kind in KINDS
     }
     for seed in seeds:
         m, g = run_name("mapo", seed, prefix), run_name("grpo", seed, prefix)
@@ -637,6 +702,8 @@ def report_sections(results, curves, folders, trajs, pcs, prefix) -> list[Sectio
         )
         eff = results["sample_efficiency"][kind]
         s.text(efficiency_text(eff, results["median_ratio"][kind], kind))
+        if "half_budget" in results:
+            s.text(half_text(results["half_budget"][kind], kind))
         s.chart(
             charts.method_curves(
                 _frame(curves[kind], prefix),
@@ -698,6 +765,25 @@ def efficiency_text(eff: dict[Any, dict[str, Any]], median: float | None, kind: 
         f"{kind} tasks — MAPO's training episodes to reach GRPO's final held-out compliance, "
         f"as a share of GRPO's (median over seeds: {med}; ≤ 0.5 means half the samples): "
         + "; ".join(parts)
+    )
+
+
+def half_text(half: dict[Any, dict[str, Any]], kind: str) -> str:
+    """The half-budget comparison of one task kind (`half_budget` per seed) in a sentence."""
+    rows = {s: h for s, h in half.items() if h.get("difference") is not None}
+    if not rows:
+        return f"{kind} tasks — MAPO at half its budget: no kept checkpoint to evaluate."
+    first = next(iter(rows.values()))
+    diffs = [h["difference"][0] for h in rows.values()]
+    per_seed = "; ".join(
+        f"seed {s}: {h['mapo_half']:.3f} vs {h['grpo_final']:.3f}, difference "
+        f"{h['difference'][0]:+.3f} [{h['difference'][1]:+.3f}, {h['difference'][2]:+.3f}]"
+        for s, h in rows.items()
+    )
+    return (
+        f"{kind} tasks — MAPO after {first['mapo_episodes']} episodes against GRPO after "
+        f"{first['grpo_episodes']}, held-out compliance (≥ 0: MAPO reached GRPO's final level "
+        f"with half the episodes): median difference {statistics.median(diffs):+.3f}; {per_seed}."
     )
 
 
@@ -768,9 +854,12 @@ def seeds_table(results: dict[str, Any], prefix: str) -> str:
         lines += [
             "",
             f"MAPO episodes to reach GRPO's final held-out compliance / GRPO's episodes: median "
-            f"{'no data' if med is None else f'{med:.2f}'} (per seed: {shown}).",
+            f"{'no data' if med is None else f'{med:.2f}'} (per seed: {shown}; the in-training "
+            "curve's few held-out tasks).",
             "",
         ]
+        if "half_budget" in results:
+            lines += [half_text(results["half_budget"][kind], kind), ""]
     return "\n".join(lines)
 
 
@@ -823,6 +912,8 @@ def summary(results: dict[str, Any], prefix: str = "demo") -> str:
             f"  MAPO's episodes to GRPO's final held-out compliance: "
             f"{'no data' if med is None else f'{med:.2f}× GRPO’s'}"
         )
+        if "half_budget" in results:
+            lines.append("  " + half_text(results["half_budget"][kind], kind))
     every = results.get("all_vs_sft") or {}
     if every:
         lines.append(

@@ -209,6 +209,27 @@ def win_rate(
     return bootstrap_interval(outcomes, n=n, seed=seed)
 
 
+def compliance_difference(
+    a: Sequence[Trajectory],
+    b: Sequence[Trajectory],
+    pcs: Sequence[PersonalConstitution],
+    n: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """Paired held-out compliance of `a` minus `b` (the same jobs and seeds, episode i of each),
+    with a bootstrap 95% interval over episodes:
+
+        Δ = (1/N) Σ_i [c(a_i) − c(b_i)],   c = an episode's judged compliance,
+
+    over the N episodes where some clause applied in both. NaNs for no such episode."""
+    diffs = []
+    for x, y, pc in zip(a, b, pcs, strict=True):
+        cx, cy = compliance(judge(x, pc), pc), compliance(judge(y, pc), pc)
+        if not (math.isnan(cx) or math.isnan(cy)):
+            diffs.append(cx - cy)
+    return bootstrap_interval(diffs, n=n, seed=seed)
+
+
 class PolicyReport(BaseModel):
     """How one policy does on the held-out set, judged by rules. Rates over nothing are NaN:
     `success` with no episodes, `valid_actions` and `truncated` with no turns, `compliance` when

@@ -67,7 +67,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import yaml
@@ -370,7 +370,13 @@ class Recipe(StrictModel):
         5,
         ge=1,
         description="Write a checkpoint every N iterations (and after the last one); a resumed "
-        "run restarts from the newest.",
+        "run restarts from the newest. The newest two are kept.",
+    )
+    keep_checkpoints: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list,
+        description="Iterations whose checkpoints are also written (off the checkpoint_every "
+        "grid too) and never removed: the policy as it was after that many iterations, e.g. "
+        "the main job keeps every run at half its iterations to measure sample efficiency.",
     )
     samples_per_iteration: int = Field(
         4, ge=0, description="Trajectories logged to samples.jsonl per iteration."
@@ -512,6 +518,15 @@ def recipe_problems(recipe: Recipe) -> list[Problem]:
                 ("policy", "lora", "alpha"),
                 f"alpha / r = {lora.alpha / lora.r:g} scales the adapter's update by more than "
                 f"{MAX_LORA_SCALE}: one optimiser step would swamp the base; alpha = 2 r is usual",
+            )
+        )
+    late = [i for i in recipe.keep_checkpoints if i > recipe.train.iterations]
+    if late:
+        out.append(
+            recipe.problem(
+                ("keep_checkpoints",),
+                f"iterations {late} lie beyond the run's last iteration "
+                f"({recipe.train.iterations}); such a checkpoint would never be written",
             )
         )
     episodes = k * recipe.train.tasks_per_iteration
@@ -1210,8 +1225,10 @@ class Run:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         atomic_write_text(ck / "latest", name + "\n")
-        for old in sorted(ck.glob("it-*"))[:-2]:  # keep the newest two
-            shutil.rmtree(old, ignore_errors=True)
+        kept = {f"it-{i:04d}" for i in self.recipe.keep_checkpoints}
+        for old in sorted(ck.glob("it-*"))[:-2]:  # keep the newest two and the ones asked for
+            if old.name not in kept:
+                shutil.rmtree(old, ignore_errors=True)
         return final
 
     def _live_trajs(self) -> dict[str, tuple[Trajectory, PersonalConstitution]]:
@@ -1240,13 +1257,22 @@ class Run:
         random.setstate(state["rng"]["python"])
 
 
+def run_checkpoint(where: str | os.PathLike) -> tuple[Path, Path | None]:
+    """(run folder, checkpoint folder) for `where`: a run folder (its newest checkpoint; None
+    before the first) or one of its checkpoints (`<run>/checkpoints/it-0030`)."""
+    where = Path(where)
+    if (where / "state.pt").exists() and where.parent.name == "checkpoints":
+        return where.parent.parent, where
+    return where, latest_checkpoint(where)
+
+
 def load_run_policy(folder: str | os.PathLike) -> tuple[Any, Any]:
-    """The policy of a run's newest checkpoint: its base with the trained adapter, in eval mode."""
+    """The policy of a run's newest checkpoint (or of the checkpoint folder given): its base with
+    the trained adapter, in eval mode."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    folder = Path(folder)
-    ck = latest_checkpoint(folder)
+    folder, ck = run_checkpoint(folder)
     if ck is None:
         raise KitchenError(f"{folder}: no checkpoint yet; run `kitchen cook` first")
     recipe = load_recipe(folder / "recipe.yaml")
@@ -1447,7 +1473,7 @@ def cook(
         if stuck is not None:
             bar.close()
             raise KitchenError([stuck])
-        if run.iteration % r.checkpoint_every == 0 or last:
+        if run.iteration % r.checkpoint_every == 0 or last or run.iteration in r.keep_checkpoints:
             run.save()
         if on_iteration:
             on_iteration(run, m)

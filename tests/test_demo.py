@@ -51,6 +51,7 @@ def test_the_two_runs_differ_in_the_advantage_estimator_only():
     am, ag = rm.advantage.resolve(), rg.advantage.resolve()
     assert ag.model_dump() == mapo.one_factor(mapo.PRESETS["grpo"], am).model_dump()
     assert am.alpha.steps == 7 and rm.train.iterations == rg.train.iterations == 7
+    assert rm.keep_checkpoints == rg.keep_checkpoints == [3]  # half the budget, for efficiency
     assert ag.loss_agg == am.loss_agg == "token-mean" and not ag.use_buffer
 
 
@@ -127,7 +128,16 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir):
         iterations=2, eval_tasks=6, eval_samples=1, progress=False, recipe=small_recipe(tmp_path)
     )
     saved = json.loads((runs_dir / "demo" / "results.json").read_text())
-    assert set(saved["held_out"]) == {"sft", "demo-mapo", "demo-grpo"}
+    assert set(saved["held_out"]) == {"sft", "demo-mapo", "demo-grpo", "demo-mapo-half"}
+    # MAPO at half its budget (iteration 1 of 2, a kept checkpoint), played without the guard
+    assert (runs_dir / "demo-mapo" / "checkpoints" / "it-0001" / "state.pt").exists()
+    assert "guarded" not in results["held_out"]["demo-mapo-half"]["long"]
+    for kind in ("long", "short"):
+        h = results["half_budget"][kind][0]
+        assert (h["mapo_episodes"], h["grpo_episodes"]) == (2, 4)
+        lo_hi = h["difference"]
+        assert lo_hi[1] <= lo_hi[0] <= lo_hi[2]
+        assert h["grpo_final"] == results["held_out"]["demo-grpo"][kind]["compliance"]
     for name in ("demo-mapo", "demo-grpo"):
         for kind in ("long", "short"):
             r = results["held_out"][name][kind]
@@ -151,6 +161,8 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir):
     assert "mapo: win rate vs SFT" in demo.summary(results)
     table = (runs_dir / "demo" / "table.md").read_text()
     assert "**long tasks**" in table and "T3 pass, verbosity=brief" in table
+    assert "MAPO after 2 episodes against GRPO after 4" in table
+    assert "with half the episodes" in demo.summary(results)
     assert "| win rate vs SFT | — |" in table  # the SFT policy is not compared with itself
     # the headline win rate counts every held-out episode (6 tasks: both kinds)
     assert set(results["all_vs_sft"]) == {"demo-mapo", "demo-grpo"}

@@ -11,6 +11,7 @@ from kitchen.evaluate import (
     EvalReport,
     bootstrap_interval,
     compliance,
+    compliance_difference,
     eval_jobs,
     format_report,
     judged_scores,
@@ -58,6 +59,22 @@ def test_ideal_beats_generic_and_is_more_personal():
     si = judged_scores([t for t, _ in ideal], [pc for _, pc in ideal])
     sg = judged_scores([t for t, _ in generic], [pc for _, pc in generic])
     assert win_rate(si, sg, n=500)[1] > 0.5
+
+
+def test_paired_compliance_difference_is_the_mean_of_per_episode_differences():
+    """Episode i of one policy against episode i of the other (same jobs): the ideal agents'
+    compliance exceeds the generic ones' with an interval above 0; a policy against itself is 0."""
+    ideal = episodes(60, seed=9, quirks=IDEAL_QUIRKS)
+    generic = episodes(60, seed=9, quirks=SFT_QUIRKS)
+    pcs = [pc for _, pc in ideal]
+    assert [pc.profile for pc in pcs] == [pc.profile for _, pc in generic]  # paired jobs
+    a, b = [t for t, _ in ideal], [t for t, _ in generic]
+    mean, lo, hi = compliance_difference(a, b, pcs, n=500)
+    per_episode = [compliance(judge(x, pc), pc) - compliance(judge(y, pc), pc)
+                   for x, y, pc in zip(a, b, pcs, strict=True)]  # fmt: skip
+    assert mean == pytest.approx(sum(per_episode) / len(per_episode))
+    assert 0 < lo <= mean <= hi
+    assert compliance_difference(a, a, pcs, n=200) == (0.0, 0.0, 0.0)
 
 
 def test_compliance_and_reward_gap():

@@ -22,6 +22,7 @@ from kitchen.train import (
     load_recipe,
     load_run_policy,
     pack_units,
+    run_checkpoint,
     spans_of,
     unit_tensors,
 )
@@ -276,6 +277,31 @@ def test_fresh_run_refuses_to_overwrite(runs_dir):
     cook(tiny_recipe("once", train={"iterations": 1}), progress=False)
     with pytest.raises(KitchenError, match="already holds a run"):
         cook(tiny_recipe("once", train={"iterations": 1}), progress=False)
+
+
+def test_kept_checkpoints_survive_pruning_and_load_as_policies(runs_dir):
+    """`keep_checkpoints` writes a checkpoint off the checkpoint_every grid and never prunes it
+    (the newest two are kept as always); a checkpoint folder loads as that iteration's policy."""
+    run = cook(tiny_recipe("kept", train={"iterations": 4}, checkpoint_every=3,
+                           keep_checkpoints=[1]), progress=False)  # fmt: skip
+    ck = runs_dir / "kept" / "checkpoints"
+    assert sorted(p.name for p in ck.glob("it-*")) == ["it-0001", "it-0003", "it-0004"]
+    assert run_checkpoint(ck / "it-0001") == (runs_dir / "kept", ck / "it-0001")
+    assert run_checkpoint(runs_dir / "kept") == (runs_dir / "kept", ck / "it-0004")
+    early, _ = load_run_policy(ck / "it-0001")
+    last, _ = load_run_policy(runs_dir / "kept")
+    name = next(iter(lora_state(last)))
+    torch.testing.assert_close(lora_state(last)[name], lora_state(run.model)[name])
+    assert not torch.equal(lora_state(early)[name], lora_state(last)[name])
+
+
+def test_a_kept_checkpoint_past_the_last_iteration_is_a_located_error(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("name: x\ntrain: {iterations: 4}\nkeep_checkpoints: [2, 9]\n")
+    with pytest.raises(
+        KitchenError, match=r"r.yaml:3: keep_checkpoints: iterations \[9\] lie beyond"
+    ):
+        load_recipe(f)
 
 
 def test_bad_recipes_are_located(tmp_path):
