@@ -84,9 +84,13 @@ def _(mo):
     which code decides exactly — a cascade.
 
     As in the main job, the learning rate starts high and falls to a tenth of itself (cosine),
-    and a meal's global reward is the share of its courses ordered right (`reward.outcome:
-    progress`): a whole meal succeeds rarely, and with success alone most task groups would be
-    all failures, whose global advantage is 0. Push α towards 1 to see what the local term alone
+    β adapts to a KL target (it doubles while the policy runs further than 0.1 from the
+    reference and falls back to the slider's β once it is near), and a meal's global reward is
+    the share of its courses ordered right (`reward.outcome: progress`). This run is short — 16
+    iterations, 128 dialogues, about two minutes on one core — so it takes larger steps than the
+    main job (3e-3 against 2e-3); the KL target is what keeps them safe. (A meal's share, not
+    its success: a whole meal succeeds rarely, and with success alone most task groups would be
+    all failures, whose global advantage is 0.) Push α towards 1 to see what the local term alone
     does: per-turn compliance rises while fewer meals get ordered — a turn that does little
     breaks few clauses.
     """)
@@ -105,7 +109,7 @@ def _(PRESETS, mo, notebook):
     iterations = mo.ui.slider(
         1,
         40,
-        value=notebook.arg("iterations", 2 if notebook.small() else 10),
+        value=notebook.arg("iterations", 2 if notebook.small() else 16),
         label="iterations",
         show_value=True,
     )
@@ -118,9 +122,12 @@ def _(PRESETS, mo, notebook):
         show_value=True,
     )
     lr = mo.ui.dropdown(
-        ["2e-4", "5e-4", "1e-3", "2e-3", "3e-3"], value="2e-3", label="learning rate (peak)"
+        ["2e-4", "5e-4", "1e-3", "2e-3", "3e-3"], value="3e-3", label="learning rate (peak)"
     )
     beta = mo.ui.slider(0.0, 0.2, step=0.01, value=0.02, label="KL β", show_value=True)
+    kl_target = mo.ui.dropdown(
+        ["none", "0.1", "0.3"], value="0.1", label="KL target (β adapts to it)"
+    )
     reviewer = mo.ui.dropdown(
         ["grm", "judge"], value=notebook.arg("reviewer", "grm"), label="reviewer"
     )
@@ -130,12 +137,25 @@ def _(PRESETS, mo, notebook):
     mo.vstack(
         [
             mo.hstack([preset, reviewer, lr], justify="start", gap=2, wrap=True),
-            mo.hstack([alpha0, alpha1, beta], justify="start", gap=2, wrap=True),
+            mo.hstack([alpha0, alpha1, beta, kl_target], justify="start", gap=2, wrap=True),
             mo.hstack([k, tasks, iterations], justify="start", gap=2, wrap=True),
             mo.hstack([meals, max_turns], justify="start", gap=2, wrap=True),
         ]
     )
-    return alpha0, alpha1, beta, iterations, k, lr, max_turns, meals, preset, reviewer, tasks
+    return (
+        alpha0,
+        alpha1,
+        beta,
+        iterations,
+        k,
+        kl_target,
+        lr,
+        max_turns,
+        meals,
+        preset,
+        reviewer,
+        tasks,
+    )
 
 
 @app.cell
@@ -147,6 +167,7 @@ def _(
     beta,
     iterations,
     k,
+    kl_target,
     lr,
     main_grm,
     max_turns,
@@ -159,6 +180,9 @@ def _(
 ):
     # The controls become a recipe: the same object `kitchen cook RECIPE` reads from YAML.
     _overrides = {"beta": beta.value}
+    _adapt = kl_target.value != "none" and beta.value > 0  # β adapts upward from a β > 0
+    if _adapt:
+        _overrides["kl_target"] = float(kl_target.value)
     if preset.value == "mapo":
         _overrides["alpha"] = {
             "kind": "linear",
@@ -181,7 +205,11 @@ def _(
             "long_share": meals.value,
         },
         # the held-out curve below: this many held-out tasks and diners, the same share of meals
-        eval={"tasks": 4 if notebook.small() else 8, "samples": 1, "long_share": meals.value},
+        eval={
+            "tasks": notebook.arg("eval_tasks", 4 if notebook.small() else 48),
+            "samples": 1,
+            "long_share": meals.value,
+        },
         eval_every=0,
         samples_per_iteration=0,
         torch_threads=1,
@@ -193,7 +221,9 @@ def _(
         else f"α from {_a.alpha0:g} to {_a.alpha1:g} ({_a.kind}, over {_a.steps} updates)"
     )
     mo.md(
-        f"**The recipe:** `{preset.value}` · {_mix} · KL β {beta.value:g} · "
+        f"**The recipe:** `{preset.value}` · {_mix} · KL β {beta.value:g}"
+        + (f" adapted to a KL target of {kl_target.value}" if _adapt else "")
+        + " · "
         f"learning rate {lr.value} falling to a tenth (cosine) · "
         f"{tasks.value} tasks × K {k.value} = {tasks.value * k.value} dialogues per iteration "
         f"({meals.value:.0%} meals of up to 24 turns), "
@@ -212,7 +242,11 @@ def _(mo):
     row of namespaced metrics (`reward/…`, `adv/…`, `kl/mean`, `policy/entropy`, `clause/…`).
     Before the first update and a few times during training the policy also plays held-out tasks
     with held-out diners, scored by the rule judge — never the reviewer it is trained on: that
-    curve, not the reward, says whether the policy got better.
+    curve, not the reward, says whether the policy got better. It plays 48 of them (half meals)
+    at each point, because on fewer the points scatter more than training moves them: on 8 tasks
+    the same policy's compliance reads anywhere within ±0.04. At the defaults it rose from 0.856
+    to 0.890 in seed 0 (held-out success 38 → 50%), by +0.025 in seed 2 and not in seed 1 (the
+    `seed` a recipe sets).
 
     Meals are where credit assignment matters: a meal of several courses takes 12–20 turns, and
     one late mistake fails the whole order. The outcome-only `grpo` gives all twenty turns the same
