@@ -203,6 +203,8 @@ def test_recipe_maps_to_grpo_config_and_rejects_what_trl_cannot_do():
         grpo_config(
             recipe(advantage={"preset": "mapo", "overrides": {"beta": 0.1, "kl_target": 0.1}})
         )
+    with pytest.raises(KitchenError, match="keep_checkpoints: TRL's Trainer"):
+        grpo_config(recipe(keep_checkpoints=[1]))
     # the recipe's learning-rate schedule, not a constant one: cosine falls to lr_final · lr
     assert args.lr_scheduler_type == "constant"
     cos = grpo_config(

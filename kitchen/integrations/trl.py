@@ -228,6 +228,12 @@ def grpo_config(recipe: Recipe, settings: TRLSettings | None = None, *, num_proc
     settings = settings or TRLSettings()
     cfg = recipe.advantage.resolve()
     check_supported(cfg)
+    if recipe.keep_checkpoints:
+        raise KitchenError(
+            "keep_checkpoints: TRL's Trainer keeps its newest checkpoints only (save_total_limit "
+            "2, every checkpoint_every steps); set keep_checkpoints: [] and keep the ones you "
+            "need by hand"
+        )
     r, t = recipe.rollout, recipe.train
     episodes = t.tasks_per_iteration * r.k
     per_step = num_processes * settings.gradient_accumulation_steps
