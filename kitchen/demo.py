@@ -130,6 +130,11 @@ def half_point(doc: dict[str, Any]) -> int:
     return max(1, doc["train"]["iterations"] // 2)
 
 
+def episodes_per_iteration(doc: dict[str, Any]) -> int:
+    """Training episodes a run of the recipe `doc` plays per iteration: its tasks × K."""
+    return doc["train"]["tasks_per_iteration"] * doc["rollout"]["k"]
+
+
 def half_name(run: str) -> str:
     return f"{run}-half"
 
@@ -244,7 +249,7 @@ def held_out_curve(folder: Path, doc: dict[str, Any], kind: str, start: float) -
     """(episodes, value): the run's held-out judged compliance on `kind` tasks at each
     evaluation (eval.jsonl), from the SFT policy's `start` at 0 episodes. Points over nothing
     (NaN) are left out."""
-    per_it = doc["train"]["tasks_per_iteration"] * doc["rollout"]["k"]
+    per_it = episodes_per_iteration(doc)
     rows = [] if no_data(start) else [{"episodes": 0, "value": float(start)}]
     for row in read_jsonl(folder / "eval.jsonl") if (folder / "eval.jsonl").exists() else []:
         value = (row.get("by_kind") or {}).get(kind, {}).get("compliance")
@@ -300,7 +305,7 @@ def half_budget(recipes, trajs, pcs, cfg, seed, prefix, kind, held) -> dict[str,
     if h not in trajs or kind not in held[h]:
         return {"difference": None}
     doc = recipes[m]
-    per_it = doc["train"]["tasks_per_iteration"] * doc["rollout"]["k"]
+    per_it = episodes_per_iteration(doc)
     mine, kpcs, idx = _split(trajs[h]["policy"], pcs, kind)
     theirs = [trajs[g]["policy"][i] for i in idx]
     return {
