@@ -42,6 +42,7 @@ curves leave such points out.
 
 from __future__ import annotations
 
+import copy
 import json
 import multiprocessing
 import os
@@ -101,11 +102,14 @@ def arms(
     recipe: str | os.PathLike = paths.RECIPES / "tiny_mapo.yaml",
     seeds: Sequence[int] = (0,),
     prefix: str = "demo",
+    half_runs: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """The job's runs as recipe documents, for every seed: `recipe` itself (mapo) and its
     `compare: grpo` arm (grpo) — the same recipe but for the advantage estimator. A seed other
     than the recipe's shifts the recipe's seed (tasks drawn, rollouts, minibatches). `iterations`
-    shortens every run (an α schedule set in the overrides is shortened with them)."""
+    shortens every run (an α schedule set in the overrides is shortened with them). With
+    `half_runs`, every seed also gets MAPO with half the budget as a run of its own
+    (`half_run_name`): its α and learning-rate schedules end where it ends."""
     base = load_recipe(recipe)
     out = {}
     for seed in seeds:
@@ -115,13 +119,22 @@ def arms(
             doc = r.model_dump(mode="json", by_alias=True) | {"compare": {}}
             doc["seed"] = base.seed + seed
             if iterations:
-                doc["train"]["iterations"] = iterations
-                alpha = doc["advantage"]["overrides"].get("alpha")
-                if isinstance(alpha, dict) and alpha.get("steps"):
-                    alpha["steps"] = iterations
+                _shorten(doc, iterations)
             doc["keep_checkpoints"] = sorted({*doc["keep_checkpoints"], half_point(doc)})
             out[name] = doc
+            if half_runs and arm is None:
+                half = copy.deepcopy(doc) | {"name": half_run_name(name), "keep_checkpoints": []}
+                out[half["name"]] = _shorten(half, half_point(doc))
     return out
+
+
+def _shorten(doc: dict[str, Any], iterations: int) -> dict[str, Any]:
+    """`doc` with `iterations` iterations; an α schedule set in its overrides ends with them."""
+    doc["train"]["iterations"] = iterations
+    alpha = doc["advantage"]["overrides"].get("alpha")
+    if isinstance(alpha, dict) and alpha.get("steps"):
+        alpha["steps"] = iterations
+    return doc
 
 
 def half_point(doc: dict[str, Any]) -> int:
@@ -136,7 +149,13 @@ def episodes_per_iteration(doc: dict[str, Any]) -> int:
 
 
 def half_name(run: str) -> str:
+    """The held-out name of MAPO at half its budget (a kept checkpoint or a half run)."""
     return f"{run}-half"
+
+
+def half_run_name(run: str) -> str:
+    """The run folder of MAPO trained on half of `run`'s budget (`arms(half_runs=True)`)."""
+    return f"{run}-half-run"
 
 
 def _state(folder: Path, doc: dict[str, Any]) -> str:
@@ -297,7 +316,8 @@ def efficiency(mapo_curve: pl.DataFrame, grpo_curve: pl.DataFrame) -> dict[str, 
 
 def half_budget(recipes, trajs, pcs, cfg, seed, prefix, kind, held) -> dict[str, Any]:
     """Sample efficiency on the large held-out set: MAPO at half its budget (its kept
-    checkpoint) against GRPO at the end of the same budget, on `kind` tasks. `difference` is
+    checkpoint, or a run of half the budget: `mapo_half_from`) against GRPO at the end of the
+    same budget, on `kind` tasks. `difference` is
     the paired compliance of MAPO's half minus GRPO's final (mean, low, high); a mean ≥ 0 means
     MAPO reached GRPO's final level with half of GRPO's episodes. None without the checkpoint."""
     m, g = run_name("mapo", seed, prefix), run_name("grpo", seed, prefix)
@@ -309,6 +329,7 @@ def half_budget(recipes, trajs, pcs, cfg, seed, prefix, kind, held) -> dict[str,
     mine, kpcs, idx = _split(trajs[h]["policy"], pcs, kind)
     theirs = [trajs[g]["policy"][i] for i in idx]
     return {
+        "mapo_half_from": "run" if half_run_name(m) in recipes else "checkpoint",
         "mapo_episodes": half_point(doc) * per_it,
         "grpo_episodes": doc["train"]["iterations"] * per_it,
         "mapo_half": held[h][kind]["compliance"],
@@ -501,9 +522,13 @@ def main_job(
     recipe: str | os.PathLike = paths.RECIPES / "tiny_mapo.yaml",
     seeds: Sequence[int] = (0,),
     out_name: str | None = None,
+    half_runs: bool = False,
 ) -> dict[str, Any]:
     """Run the whole main job on `recipe` and its `compare: grpo` arm for every seed; returns
-    the results (also written to runs/<out_name>/; `demo` for one seed, `demo-seeds` for more)."""
+    the results (also written to runs/<out_name>/; `demo` for one seed, `demo-seeds` for more).
+    Sample efficiency plays MAPO at half its budget against GRPO's final policy: the MAPO run's
+    checkpoint at half its iterations, or with `half_runs` a MAPO run trained on half the budget
+    (a third run per seed: its schedules end with it, where the checkpoint is mid-schedule)."""
     for need in ("policy-tiny", "grm-tiny"):
         if not (paths.DATA / "models" / need / "config.json").exists():
             raise KitchenError(
@@ -516,18 +541,21 @@ def main_job(
     out = paths.RUNS / out_name
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    recipes = arms(iterations, recipe, seeds, prefix)
-    folders = cook_side_by_side(recipes, out, progress)
+    recipes = arms(iterations, recipe, seeds, prefix, half_runs)
+    trained = cook_side_by_side(recipes, out, progress)
     train_s = time.perf_counter() - t0
+    folders = {n: f for n, f in trained.items() if not n.endswith(half_run_name(""))}
 
     torch.set_num_threads(1)
     base = Recipe.model_validate(next(iter(recipes.values())))
     cfg = EvalConfig(tasks=eval_tasks, samples=eval_samples, long_share=base.eval.long_share)
-    halves = {}  # every MAPO run as it was at half its budget (its kept checkpoint)
+    halves = {}  # MAPO at half its budget: the half run, or the full run's kept checkpoint
     for seed in seeds:
         m = run_name("mapo", seed, prefix)
         ck = folders[m] / "checkpoints" / f"it-{half_point(recipes[m]):04d}"
-        if (ck / "state.pt").exists():
+        if half_runs:
+            halves[half_name(m)] = trained[half_run_name(m)]
+        elif (ck / "state.pt").exists():
             halves[half_name(m)] = ck
     policies = {"sft": paths.DATA / "models" / "policy-tiny", **folders, **halves}
     held, trajs = held_out(policies, cfg, progress, cache=out / "held_out", unguarded=set(halves))
@@ -785,9 +813,14 @@ def half_text(half: dict[Any, dict[str, Any]], kind: str) -> str:
         f"{h['difference'][0]:+.3f} [{h['difference'][1]:+.3f}, {h['difference'][2]:+.3f}]"
         for s, h in rows.items()
     )
+    source = (
+        "a run of its own"
+        if first.get("mapo_half_from") == "run"
+        else "its run's checkpoint, mid-schedule"
+    )
     return (
-        f"{kind} tasks — MAPO after {first['mapo_episodes']} episodes against GRPO after "
-        f"{first['grpo_episodes']}, held-out compliance (≥ 0: MAPO reached GRPO's final level "
+        f"{kind} tasks — MAPO after {first['mapo_episodes']} episodes ({source}) against GRPO "
+        f"after {first['grpo_episodes']}, held-out compliance (≥ 0: MAPO reached GRPO's final level "
         f"with half the episodes): median difference {statistics.median(diffs):+.3f}; {per_seed}."
     )
 

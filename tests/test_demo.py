@@ -161,7 +161,9 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir):
     assert "mapo: win rate vs SFT" in demo.summary(results)
     table = (runs_dir / "demo" / "table.md").read_text()
     assert "**long tasks**" in table and "T3 pass, verbosity=brief" in table
-    assert "MAPO after 2 episodes against GRPO after 4" in table
+    assert (
+        "MAPO after 2 episodes (its run's checkpoint, mid-schedule) against GRPO after 4" in table
+    )
     assert "with half the episodes" in demo.summary(results)
     assert "| win rate vs SFT | — |" in table  # the SFT policy is not compared with itself
     # the headline win rate counts every held-out episode (6 tasks: both kinds)
@@ -254,3 +256,43 @@ def test_the_shipped_mapo_adapter_is_the_main_jobs_run_and_moves_the_policy():
         policy = load_adapter(base, folder, "policy", trainable=False).eval()
         after = policy(ids).logits
     assert (after - before).abs().max() > 1e-2
+
+
+def test_half_runs_are_mapo_on_half_the_budget_with_their_own_schedules():
+    """`arms(half_runs=True)` adds, per seed, MAPO trained on half the iterations: the same
+    recipe, its α schedule ending with it, no kept checkpoint of its own."""
+    docs = demo.arms(iterations=8, seeds=[0, 1], prefix="demo-seeds", half_runs=True)
+    assert set(docs) == {f"demo-seeds-{m}-s{s}" for m in ("mapo", "grpo") for s in (0, 1)} | {
+        f"demo-seeds-mapo-s{s}-half-run" for s in (0, 1)
+    }
+    full, half = docs["demo-seeds-mapo-s1"], docs["demo-seeds-mapo-s1-half-run"]
+    assert half["train"]["iterations"] == 4 and full["train"]["iterations"] == 8
+    assert half["advantage"]["overrides"]["alpha"]["steps"] == 4
+    assert half["keep_checkpoints"] == [] and half["seed"] == full["seed"]
+    same = {k for k in full if full[k] == half[k]}
+    assert set(full) - same == {"name", "train", "advantage", "keep_checkpoints"}
+    assert {k for k in full["train"] if full["train"][k] != half["train"][k]} == {"iterations"}
+    assert set(demo.arms(iterations=8)) == {"demo-mapo", "demo-grpo"}  # off by default
+
+
+def test_main_job_measures_sample_efficiency_with_half_runs(tmp_path, runs_dir):
+    """With `half_runs`, MAPO at half its budget is a run of its own (played unguarded, no
+    curve of its own, not in the headline win rates) and the table says so."""
+    results = demo.main_job(
+        iterations=2,
+        eval_tasks=6,
+        eval_samples=1,
+        progress=False,
+        recipe=small_recipe(tmp_path),
+        half_runs=True,
+    )
+    assert (runs_dir / "demo-mapo-half-run" / "checkpoints").is_dir()
+    assert pl.read_parquet(runs_dir / "demo-mapo-half-run" / "metrics.parquet").height == 1
+    assert set(results["held_out"]) == {"sft", "demo-mapo", "demo-grpo", "demo-mapo-half"}
+    assert "guarded" not in results["held_out"]["demo-mapo-half"]["long"]
+    assert set(results["all_vs_sft"]) == {"demo-mapo", "demo-grpo"}
+    for kind in ("long", "short"):
+        h = results["half_budget"][kind][0]
+        assert h["mapo_half_from"] == "run" and (h["mapo_episodes"], h["grpo_episodes"]) == (2, 4)
+    table = (runs_dir / "demo" / "table.md").read_text()
+    assert "MAPO after 2 episodes (a run of its own) against GRPO after 4" in table
