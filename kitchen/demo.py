@@ -17,7 +17,11 @@
    group's preference turns on, and words per message, with episode-bootstrap intervals).
 3. Sample efficiency, per task kind and seed: the training episodes MAPO needed to reach GRPO's
    final held-out compliance (each run's held-out curve, logged every `eval_every` iterations
-   from the SFT policy on), as a share of GRPO's episodes; the median over seeds.
+   from the SFT policy on), as a share of GRPO's episodes; the median over seeds. And on the
+   large held-out set: MAPO at half its budget against GRPO's final policy, paired per episode
+   (`half_budget`) — the MAPO run's checkpoint at half its iterations (mid-way down its
+   learning-rate schedule), or with `half_runs` (`--half-runs`) a MAPO run trained on half the
+   budget, one more run per seed.
 4. A self-contained HTML report (`runs/<out>/report.html`: curves with seed bands, tables,
    side-by-side dialogues) and the numbers as JSON (`runs/<out>/results.json`), which the README
    quotes.
@@ -30,8 +34,8 @@ Departures from the method:
    here the independent rule judge scores both, on held-out tasks and diners, because every
    concierge clause is checkable and the whole job must run unattended in CI.
 2. Sample efficiency is read on the held-out compliance curve each run logs every `eval_every`
-   iterations (a small held-out set, one sample each); the full held-out evaluation runs at the
-   end.
+   iterations (a small held-out set, one sample each) and on the full held-out set at half the
+   budget and at the end, not on a curve of full evaluations.
 3. `tiny_grpo.yaml` (GRPO as its source defines it, seq-mean-token-mean loss) is not the
    comparison: it differs from MAPO's recipe in its loss aggregation too.
 
