@@ -321,9 +321,9 @@ def efficiency(mapo_curve: pl.DataFrame, grpo_curve: pl.DataFrame) -> dict[str, 
 def half_budget(recipes, trajs, pcs, cfg, seed, prefix, kind, held) -> dict[str, Any]:
     """Sample efficiency on the large held-out set: MAPO at half its budget (its kept
     checkpoint, or a run of half the budget: `mapo_half_from`) against GRPO at the end of the
-    same budget, on `kind` tasks. `difference` is
-    the paired compliance of MAPO's half minus GRPO's final (mean, low, high); a mean ≥ 0 means
-    MAPO reached GRPO's final level with half of GRPO's episodes. None without the checkpoint."""
+    same budget, on `kind` tasks. `difference` is the paired compliance of MAPO's half minus
+    GRPO's final (mean, low, high); a mean ≥ 0 means MAPO reached GRPO's final level with half of
+    GRPO's episodes. None without the checkpoint."""
     m, g = run_name("mapo", seed, prefix), run_name("grpo", seed, prefix)
     h = half_name(m)
     if h not in trajs or kind not in held[h]:
@@ -548,17 +548,18 @@ def main_job(
     recipes = arms(iterations, recipe, seeds, prefix, half_runs)
     trained = cook_side_by_side(recipes, out, progress)
     train_s = time.perf_counter() - t0
-    folders = {n: f for n, f in trained.items() if not n.endswith(half_run_name(""))}
+    mapos = {seed: run_name("mapo", seed, prefix) for seed in seeds}
+    half_runs_of = {m: half_run_name(m) for m in mapos.values() if half_run_name(m) in recipes}
+    folders = {n: f for n, f in trained.items() if n not in half_runs_of.values()}
 
     torch.set_num_threads(1)
     base = Recipe.model_validate(next(iter(recipes.values())))
     cfg = EvalConfig(tasks=eval_tasks, samples=eval_samples, long_share=base.eval.long_share)
     halves = {}  # MAPO at half its budget: the half run, or the full run's kept checkpoint
-    for seed in seeds:
-        m = run_name("mapo", seed, prefix)
+    for m in mapos.values():
         ck = folders[m] / "checkpoints" / f"it-{half_point(recipes[m]):04d}"
-        if half_runs:
-            halves[half_name(m)] = trained[half_run_name(m)]
+        if m in half_runs_of:
+            halves[half_name(m)] = trained[half_runs_of[m]]
         elif (ck / "state.pt").exists():
             halves[half_name(m)] = ck
     policies = {"sft": paths.DATA / "models" / "policy-tiny", **folders, **halves}
