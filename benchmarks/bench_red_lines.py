@@ -1,0 +1,170 @@
+"""Where a policy breaks the red lines, and whether it reads its own allergen checks. For #14.
+
+Not a test. Reads the held-out episodes `kitchen demo` keeps (`runs/<out>/held_out/<name>.json`,
+played on the jobs of `runs/<out>/results.json`'s evaluation settings) and reports, per policy:
+
+- axiom violations per axiom and task kind (the rule judge);
+- what the policy does right after an `@allergens` check, for allergic diners, by what the check
+  found — *unsafe* (the dish holds one of the diner's allergens) or *safe*: recommend that very
+  dish, check another, anything else. A policy that reads its checks recommends after a safe
+  check and moves on after an unsafe one; the scripted agents of the SFT data never recommend a
+  dish their check found unsafe;
+- with `--grm N`: the shipped GRM's verdicts on the first N episodes against the rule judge's
+  for A1, A3 and A4 (violations caught, false alarms) — is the reviewer what misses them?
+
+`--data data/sft/train.jsonl` counts the safe and unsafe checks of SFT dialogues (allergic
+diners), and `--samples runs/<run>/samples.jsonl` averages the local reward of a training run's
+turn after a check, by what the check found and what the turn did.
+
+    .venv/bin/python benchmarks/bench_red_lines.py runs/demo-seeds sft demo-seeds-mapo-s0
+    .venv/bin/python benchmarks/bench_red_lines.py runs/demo-seeds demo-seeds-mapo-s0 --grm 80
+    .venv/bin/python benchmarks/bench_red_lines.py --data data/sft/train.jsonl
+    .venv/bin/python benchmarks/bench_red_lines.py --samples runs/demo-seeds-mapo-s0/samples.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from statistics import mean
+
+import torch
+
+from kitchen.evaluate import EvalConfig, eval_jobs
+from kitchen.files import read_jsonl
+from kitchen.judge import Turn, judge, replay
+from kitchen.world import Trajectory, load_menu
+
+AXIOMS = ("A1", "A3", "A4")
+ALLERGIES = re.compile(r"allergies=([\w,]+)")
+
+
+def after_check(turns: list[Turn], allergies: set[str]) -> list[tuple[str, str, int]]:
+    """(what the check found, what the next turn did, the next turn's index) for every
+    `@allergens` check of an allergic diner followed by another turn."""
+    out = []
+    for t, nxt in itertools.pairwise(turns):
+        if t.tool != "allergens" or t.dish is None or not allergies:
+            continue
+        found = "unsafe" if set(t.dish.allergens) & allergies else "safe"
+        if nxt.kind == "say" and nxt.dish is not None and nxt.dish.name == t.dish.name:
+            did = "recommend it"
+        elif nxt.tool == "allergens":
+            did = "check another"
+        else:
+            did = "other"
+        out.append((found, did, nxt.index))
+    return out
+
+
+def shares(counts: Counter) -> str:
+    lines = []
+    for found in ("safe", "unsafe"):
+        n = sum(v for (f, _), v in counts.items() if f == found)
+        parts = ", ".join(
+            f"{did} {counts[(found, did)] / n:.1%}"
+            for did in ("recommend it", "check another", "other")
+            if n
+        )
+        lines.append(f"  after an allergen check found the dish {found} ({n}): {parts or 'none'}")
+    return "\n".join(lines)
+
+
+def held_out(folder: Path, names: list[str], grm_episodes: int) -> None:
+    cfg = EvalConfig(**json.loads((folder / "results.json").read_text())["eval"])
+    pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
+    menu = load_menu()
+    for name in names:
+        rows = json.loads((folder / "held_out" / f"{name}.json").read_text())["episodes"]["policy"]
+        trajs = [Trajectory.model_validate(r) for r in rows]
+        violations, checks = Counter(), Counter()
+        for traj, pc in zip(trajs, pcs, strict=True):
+            for v in judge(traj, pc, menu).violations():
+                if v.clause.startswith("A"):
+                    violations[(v.clause, "meal" if traj.task.courses else "dish")] += 1
+            allergies = set(pc.dimensions.get("allergies") or [])
+            for found, did, _ in after_check(replay(traj, menu), allergies):
+                checks[(found, did)] += 1
+        total = sum(violations.values())
+        print(f"{name}: {len(trajs)} episodes, {total} axiom violations")
+        for (clause, kind), n in sorted(violations.items()):
+            print(f"  {clause} {kind}: {n}")
+        print(shares(checks))
+        if grm_episodes:
+            grm_recall(trajs[:grm_episodes], pcs[:grm_episodes], menu)
+
+
+def grm_recall(trajs, pcs, menu) -> None:
+    from kitchen.grm import GRM
+    from kitchen.paths import RECIPES
+    from kitchen.train import load_recipe
+
+    torch.set_num_threads(1)
+    grm = GRM.load(load_recipe(RECIPES / "tiny_mapo.yaml").grm)
+    seen = Counter()
+    for traj, pc, review in zip(trajs, pcs, grm.review(trajs, pcs), strict=True):
+        for v in judge(traj, pc, menu).verdicts:
+            if v.clause in AXIOMS and v.verdict in ("pass", "violate"):
+                got = review.get(v.turn, v.clause)
+                seen[(v.clause, v.verdict, got.verdict if got else None)] += 1
+    print(f"  the GRM on {len(trajs)} episodes (the rule judge's verdicts as truth):")
+    for clause in AXIOMS:
+        bad = sum(n for (c, j, _), n in seen.items() if c == clause and j == "violate")
+        caught = seen[(clause, "violate", "violate")]
+        good = sum(n for (c, j, _), n in seen.items() if c == clause and j == "pass")
+        alarms = seen[(clause, "pass", "violate")]
+        print(f"    {clause}: {caught} of {bad} violations caught, {alarms} false alarms in {good}")
+
+
+def sft_data(path: Path) -> None:
+    menu = load_menu()
+    found = Counter()
+    for row in read_jsonl(path):
+        m = ALLERGIES.search(row["messages"][0]["content"])
+        allergies = set(m.group(1).split(",")) - {"none"} if m else set()
+        for msg in row["messages"]:
+            if msg["role"] == "tool" and "; allergens: " in msg["content"] and allergies:
+                dish = menu.find(msg["content"].split(":")[0])
+                found["unsafe" if dish and set(dish.allergens) & allergies else "safe"] += 1
+    print(f"{path}: allergen checks of allergic diners: {dict(found)}")
+
+
+def samples(path: Path) -> None:
+    menu = load_menu()
+    local = defaultdict(list)
+    for row in read_jsonl(path):
+        traj = Trajectory.model_validate(row["trajectory"])
+        m = ALLERGIES.search(traj.messages[0]["content"])
+        allergies = set(m.group(1).split(",")) - {"none"} if m else set()
+        for found, did, i in after_check(replay(traj, menu), allergies):
+            if row["valid"][i]:
+                local[(found, did)].append(row["local"][i])
+    print(f"{path}: the local reward of the turn after an allergen check")
+    for key in sorted(local):
+        print(
+            f"  check found it {key[0]}, then {key[1]}: {mean(local[key]):+.2f} ({len(local[key])})"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("folder", nargs="?", type=Path, help="a `kitchen demo` output folder")
+    ap.add_argument("names", nargs="*", help="policies in its held_out/ (e.g. sft demo-mapo)")
+    ap.add_argument("--grm", type=int, default=0, help="GRM recall on this many episodes")
+    ap.add_argument("--data", type=Path, help="SFT dialogues (JSONL) to count checks in")
+    ap.add_argument("--samples", type=Path, help="a training run's samples.jsonl")
+    args = ap.parse_args()
+    if args.folder:
+        held_out(args.folder, args.names or ["sft"], args.grm)
+    if args.data:
+        sft_data(args.data)
+    if args.samples:
+        samples(args.samples)
+
+
+if __name__ == "__main__":
+    main()
