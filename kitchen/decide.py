@@ -618,12 +618,23 @@ def _from_bench_gpu(doc: dict[str, Any], path: Path) -> ThroughputRecord:
     else:
         arch = ARCHITECTURES["Qwen2.5-0.5B"]
     its = doc["iterations"][1:] or doc["iterations"]
+    if not its:
+        raise ValueError(
+            f"{path}: bench_gpu.py measured no iteration (phases: {doc.get('phases', {})}); "
+            "rerun it with more time (GPU_CHECK_BUDGET_S) or fewer --iterations"
+        )
 
     def med(k: str) -> float | None:
         xs = [r[k] for r in its if r.get(k)]
         return statistics.median(xs) if xs else None
 
     reviews = med("reviews_per_s")
+    # random weights rarely stop: each review line is taken to fill its token budget
+    work = doc.get("settings") or {}
+    budget = work.get("review", 64 if shape == "small" else 256)
+    episodes = doc.get("episodes_per_rollout") or 0
+    lines = med("review_lines")
+    per_review = budget * (lines / episodes if lines and episodes else work.get("turns", 1))
     return ThroughputRecord(
         device=doc.get("device", "unknown"),
         hardware=doc.get("hardware", ""),
@@ -633,8 +644,7 @@ def _from_bench_gpu(doc: dict[str, Any], path: Path) -> ThroughputRecord:
         rollout_tokens_per_s=med("rollout_tokens_per_s"),
         update_tokens_per_s=med("update_tokens_per_s"),
         reviews_per_s=reviews,
-        # random weights rarely stop: each review is taken to fill its 256-token budget
-        review_tokens_per_s=reviews * (64 if shape == "small" else 256) if reviews else None,
+        review_tokens_per_s=reviews * per_review if reviews else None,
         reviewer="grm-adapter",
         peak_memory_gb=doc["peak_gb_policy_ref_grm"] * 2**30 / 1e9
         if doc.get("peak_gb_policy_ref_grm")
@@ -643,8 +653,8 @@ def _from_bench_gpu(doc: dict[str, Any], path: Path) -> ThroughputRecord:
         command=doc.get("command", f"python benchmarks/bench_gpu.py --out {path}"),
         date=doc.get("date", "not recorded"),
         notes=f"bench_gpu.py: {shape}-shaped policy (nf4 QLoRA on a GPU), GRM as a second "
-        "adapter on the same base; review tokens assume every review fills its 256-token budget "
-        "(64 with --small).",
+        f"adapter on the same base; review tokens assume every review line fills its "
+        f"{budget}-token budget ({per_review:.0f} tokens per reviewed trajectory).",
         path=str(path),
     )
 

@@ -270,6 +270,15 @@ def test_bench_gpu_output_is_a_record(tmp_path):
     assert rec.review_tokens_per_s == 2.0 * 256
     assert rec.quantization == "nf4"
     assert decide.for_device([rec], "H100 80GB") is rec
+    # With the run's settings: a review is its lines (one per turn) of `review` tokens each.
+    doc = json.loads(f.read_text())
+    doc |= {"settings": {"review": 128, "turns": 4}, "episodes_per_rollout": 64}
+    doc["iterations"] = [it | {"review_lines": 192} for it in its]
+    f.write_text(json.dumps(doc))
+    assert decide.read_throughput(f).review_tokens_per_s == 2.0 * 128 * 3
+    f.write_text(json.dumps(doc | {"iterations": [], "phases": {"nf4": "failed: X"}}))
+    with pytest.raises(ValueError, match="measured no iteration.*failed: X"):
+        decide.read_throughput(f)
 
 
 def test_shipped_throughput_records_are_complete():

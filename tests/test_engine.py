@@ -15,11 +15,13 @@ from kitchen.engine import (
     RaggedCache,
     Request,
     SamplingParams,
+    compute_dtypes,
     force_generate,
     lora_merged,
     prefill_groups,
     row_uniforms,
     sample_tokens,
+    self_check_tolerance,
     token_logprobs_of,
     top_p_remove,
     unsupported,
@@ -330,6 +332,43 @@ def test_unsupported_names_its_reason(policy):
     assert "repetition_penalty" in unsupported(penalised)
     with force_generate():
         assert "force_generate" in unsupported(micro_model(tok))
+
+
+def test_self_check_tolerance_follows_the_compute_dtype_not_the_first_parameter(policy):
+    """fp32 throughout: strict. A quantised base whose matmuls run in bf16 (its norms kept in fp32,
+    as QLoRA keeps them — what made an NF4 model on an H200 fall back to generate): bf16's
+    tolerance, also when the config is a dict (as saved) or names no compute dtype."""
+    _, tok = policy
+    model = micro_model(tok)
+    assert compute_dtypes(model) == {torch.float32}
+    assert self_check_tolerance(model) == 1e-3
+    model.config.quantization_config = {"load_in_4bit": True, "bnb_4bit_compute_dtype": "bfloat16"}
+    assert compute_dtypes(model) == {torch.float32, torch.bfloat16}
+    assert self_check_tolerance(model) == 5e-2
+    model.config.quantization_config = {"load_in_8bit": True, "load_in_4bit": False}
+    assert torch.float16 in compute_dtypes(model)
+    half = micro_model(tok).to(torch.bfloat16)
+    assert self_check_tolerance(half) == 5e-2
+
+
+def test_a_model_left_training_with_checkpointing_decodes_as_in_eval_mode(policy):
+    """The GRM reviews on the policy's base right after an update, the model still in training
+    mode; with gradient checkpointing transformers then drops the cache (what broke the first GPU
+    run). The engine decodes in eval mode and hands the model back training."""
+    model, tok = policy
+    p = prompt(tok, REQUESTS[0])
+    model.eval()
+    (want,) = Engine(model).generate([p], params(tok, max_new_tokens=8), [0])
+    model.gradient_checkpointing_enable()
+    model.train()
+    try:
+        (got,) = Engine(model).generate([p], params(tok, max_new_tokens=8), [0])
+        assert model.training
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    assert got.tokens == want.tokens
+    assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
 
 
 def test_lora_merge_restores_the_base_exactly_and_lora_still_trains(policy):
