@@ -559,10 +559,8 @@ def _self_check(model: Any) -> str | None:
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, vocab, (6,), generator=g).tolist()
     b = torch.randint(0, vocab, (5,), generator=g).tolist()
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eval_mode(model):
             engine = Engine(model, cuda_graphs=False, static=False)
             engine._params = SamplingParams(max_new_tokens=1, eos_token_id=-1)
             rows = [_Row("a", todo=a[:4]), _Row("b", todo=b[:2])]
@@ -577,8 +575,6 @@ def _self_check(model: Any) -> str | None:
             ref_b = model(input_ids=torch.tensor([b[:4]], device=dev)).logits[0].float()
     except Exception as e:  # any failure means "serve it with generate", with the reason
         return f"self-check failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    finally:
-        model.train(was_training)
     got = torch.stack([first[0], second[0], first[1], second[1], third[0]]).float()
     want = torch.stack([ref_a[3], ref_a[4], ref_b[1], ref_b[2], ref_b[3]])
     scale = max(1.0, float(want.abs().max()))

@@ -353,12 +353,14 @@ class GRM:
     ) -> dict[tuple[int, int, int], list[str | None]]:
         """Play every review conversation to its end: per key, the line written after each of
         its turns ("" for a line its budget cut; None where no line was written)."""
-        from kitchen.engine import fallback_reason, lora_merged
+        from kitchen.engine import eval_mode, fallback_reason, lora_merged
 
         if not convs:
             return {}
         lines: dict[Hashable, list[str | None]] = {k: [] for k in convs}
-        with _adapter(self.model, self.cfg.adapter):
+        # eval mode on either path: the GRM often shares the policy's base, which an update has
+        # just left training (dropout on; with gradient checkpointing, no cache for generate)
+        with _adapter(self.model, self.cfg.adapter), eval_mode(self.model):
             reason = (
                 fallback_reason(self.model, "kitchen.grm") if self.cfg.engine == "fast" else "asked"
             )

@@ -236,7 +236,7 @@ def rollout(
     """
     from tqdm.auto import tqdm
 
-    from kitchen.engine import fallback_reason, lora_merged
+    from kitchen.engine import eval_mode, fallback_reason, lora_merged
 
     cfg = cfg or RolloutConfig()
     menu = menu or load_menu()
@@ -265,22 +265,20 @@ def rollout(
         if reason:
             stats.engine, stats.fallback = "generate", reason
     start = time.perf_counter()
-    was_training = model.training
-    model.eval()
     bar = tqdm(total=len(worlds), desc=progress, unit="episode", disable=progress is None)
 
     def finished() -> None:  # the bar follows the episodes that have ended
         bar.update(sum(w.traj.done for w in worlds) - bar.n)
 
     try:
-        if stats.engine == "fast":
-            with lora_merged(model) as merged:
-                stats.extra["engine/lora_merged"] = merged
-                _play_fast(model, tokenizer, worlds, guards, names, cfg, stats, seed, finished)
-        else:
-            _play_generate(model, tokenizer, worlds, guards, cfg, stats, seed, finished)
+        with eval_mode(model):
+            if stats.engine == "fast":
+                with lora_merged(model) as merged:
+                    stats.extra["engine/lora_merged"] = merged
+                    _play_fast(model, tokenizer, worlds, guards, names, cfg, stats, seed, finished)
+            else:
+                _play_generate(model, tokenizer, worlds, guards, cfg, stats, seed, finished)
     finally:
-        model.train(was_training)
         bar.close()
     stats.seconds = time.perf_counter() - start
     return [w.traj for w in worlds], stats

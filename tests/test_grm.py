@@ -133,6 +133,26 @@ def test_every_turn_gets_one_structured_line_on_both_paths(stand_in, dialogues):
     assert fast.stats["lines"] == sum(len(t.turns) for t in trajs)
 
 
+@pytest.mark.parametrize("engine", ["fast", "generate"])
+def test_a_grm_left_training_reviews_as_in_eval_mode_and_stays_training(engine, dialogues):
+    """The GRM shares the policy's base, which an update has just left in training mode: with
+    dropout in its attention (0.5 here) a review in that mode would draw other lines. Both
+    decoding paths review in eval mode and hand the model back training."""
+    model, tok = load_model(ModelSpec(path=str(paths.DATA / "models" / "grm-tiny")))
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    short = min(dialogues, key=lambda d: len(d[0].turns))
+    trajs, pcs = [short[0]], [short[1]]
+    grm = GRM(model, tok, GRMConfig(batch_size=4, engine=engine))
+    model.eval()
+    want = [r.table() for r in grm.review(trajs, pcs)]
+    model.train()
+    got = [r.table() for r in grm.review(trajs, pcs)]
+    assert model.training
+    assert got == want
+
+
 def test_a_line_cut_by_its_budget_is_masked_and_flagged(stand_in, dialogues):
     model, tok = stand_in
     (traj, pc), *_ = dialogues
