@@ -12,12 +12,18 @@ played on the jobs of `runs/<out>/results.json`'s evaluation settings) and repor
 - with `--grm N`: the shipped GRM's verdicts on the first N episodes against the rule judge's
   for A1, A3 and A4 (violations caught, false alarms) — is the reviewer what misses them?
 
+`--diners POLICY` plays held-out tasks twice with the same policy — once with the training
+diners, once with the held-out ones — and compares the axiom violations (A1 per judged turn of an
+allergic diner): does the policy read the allergy list, or remember the eighteen diners it was
+trained with? (`POLICY`: a model folder or a run; `--tasks N`, 120 by default, × 2 samples.)
+
 `--data data/sft/train.jsonl` counts the safe and unsafe checks of SFT dialogues (allergic
 diners), and `--samples runs/<run>/samples.jsonl` averages the local reward of a training run's
 turn after a check, by what the check found and what the turn did.
 
     .venv/bin/python benchmarks/bench_red_lines.py runs/demo-seeds sft demo-seeds-mapo-s0
     .venv/bin/python benchmarks/bench_red_lines.py runs/demo-seeds demo-seeds-mapo-s0 --grm 80
+    .venv/bin/python benchmarks/bench_red_lines.py --diners data/models/policy-tiny
     .venv/bin/python benchmarks/bench_red_lines.py --data data/sft/train.jsonl
     .venv/bin/python benchmarks/bench_red_lines.py --samples runs/demo-seeds-mapo-s0/samples.jsonl
 """
@@ -150,16 +156,68 @@ def samples(path: Path) -> None:
         )
 
 
+def diners(policy: str, tasks: int) -> None:
+    """Held-out tasks with the training diners, then with the held-out ones (module docstring)."""
+    from kitchen import paths
+    from kitchen.constitution import PersonalizationCache, load_constitution
+    from kitchen.evaluate import make_job
+    from kitchen.models import ModelSpec, load_model
+    from kitchen.profile import split_profiles
+    from kitchen.rollout import RolloutConfig, rollout
+    from kitchen.train import load_run_policy
+    from kitchen.world import feasible, generate_tasks
+
+    folder = Path(policy)
+    is_run = (folder / "checkpoints").is_dir()
+    model, tok = load_run_policy(folder) if is_run else load_model(ModelSpec(path=policy))
+    c, cache, menu = (
+        load_constitution(paths.DEFAULT_CONSTITUTION),
+        PersonalizationCache(),
+        load_menu(),
+    )
+    cfg = RolloutConfig(k=2, max_turns=10, long_max_turns=24, max_new_tokens=40)
+    for split in ("train", "heldout"):
+        profiles, jobs = split_profiles(split), []
+        for task in generate_tasks(tasks * 4, seed=1234, split="heldout", long_share=0.5):
+            if len(jobs) == tasks:
+                break
+            job = make_job(task, profiles[len(jobs) % len(profiles)], c, cache)
+            d = job[2]
+            if feasible(menu, task, d.get("allergies") or [], d.get("diet") == "vegetarian"):
+                jobs.append(job)
+        trajs, _ = rollout(model, tok, jobs, cfg, seed=1, menu=menu, progress=f"{split} diners")
+        pcs = [pc for _, pc, _ in jobs for _ in range(cfg.k)]
+        viol, a1 = Counter(), Counter()
+        for t, pc in zip(trajs, pcs, strict=True):
+            allergic = bool(pc.dimensions.get("allergies"))
+            for v in judge(t, pc, menu).verdicts:
+                if v.clause in AXIOMS and v.verdict == "violate":
+                    viol[v.clause] += 1
+                if v.clause == "A1" and allergic and v.verdict in ("pass", "violate"):
+                    a1[v.verdict] += 1
+        judged = a1["pass"] + a1["violate"]
+        print(
+            f"{split} diners ({len(profiles)}), {len(trajs)} episodes of held-out tasks: axiom "
+            f"violations {sum(viol.values())} ({', '.join(f'{k} {viol[k]}' for k in AXIOMS)}); "
+            f"A1 violated in {a1['violate']} of {judged} judged turns of allergic diners "
+            f"({a1['violate'] / max(judged, 1):.1%})"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folder", nargs="?", type=Path, help="a `kitchen demo` output folder")
     ap.add_argument("names", nargs="*", help="policies in its held_out/ (e.g. sft demo-mapo)")
     ap.add_argument("--grm", type=int, default=0, help="GRM recall on this many episodes")
+    ap.add_argument("--diners", metavar="POLICY", help="training vs held-out diners, one policy")
+    ap.add_argument("--tasks", type=int, default=120, help="held-out tasks for --diners")
     ap.add_argument("--data", type=Path, help="SFT dialogues (JSONL) to count checks in")
     ap.add_argument("--samples", type=Path, help="a training run's samples.jsonl")
     args = ap.parse_args()
     if args.folder:
         held_out(args.folder, args.names or ["sft"], args.grm)
+    if args.diners:
+        diners(args.diners, args.tasks)
     if args.data:
         sft_data(args.data)
     if args.samples:
