@@ -289,6 +289,34 @@ def compare_updates(args) -> None:
     print(f"\nthe engine's update is {g['wall'] / e['wall']:.2f}x faster per update")
 
 
+def sweep_thresholds(model, tok, jobs, cfg, args) -> None:
+    """The engine's batching thresholds (`WAIT_SHARE`: prefill once 1/n of the rows wait;
+    `DROP_SHARE`: drop finished rows once they are 1/n of the batch) against the shipped ones,
+    interleaved, on the same jobs and seeds; engine tokens/s of wall time, medians."""
+    import kitchen.engine as engine
+
+    shipped = (engine.WAIT_SHARE, engine.DROP_SHARE)
+    settings = [shipped, (2, 4), (8, 4), (4, 2), (4, 8), (16, 16), (1000, 4)]
+    rates: dict[tuple[int, int], list[float]] = {s: [] for s in settings}
+    try:
+        for _ in range(args.reps):
+            for s in settings:
+                engine.WAIT_SHARE, engine.DROP_SHARE = s
+                _, stats, wall, _ = play(model, tok, jobs, cfg, args.seed, today=False)
+                rates[s].append(stats.tokens / wall)
+    finally:
+        engine.WAIT_SHARE, engine.DROP_SHARE = shipped
+    print(f"\n## Batching thresholds (engine, main-job setting, median of {args.reps})\n")
+    print("| WAIT_SHARE | DROP_SHARE | tokens / s (wall) | vs shipped |")
+    print("|---:|---:|---:|---:|")
+    base = statistics.median(rates[shipped])
+    for (w, d), r in rates.items():
+        mark = " (shipped)" if (w, d) == shipped else ""
+        print(
+            f"| {w}{mark} | {d} | {statistics.median(r):.0f} | {statistics.median(r) / base:.2f} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -301,6 +329,9 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=2, help="measured RL updates; 0 skips them")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="cProfile one engine rollout")
+    ap.add_argument(
+        "--thresholds", action="store_true", help="sweep the engine's batching thresholds too"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -343,6 +374,8 @@ def main() -> None:
     ratio = compare_rollouts(
         model, tok, jobs, cfg, args, "Rollouts, main-job setting", timer, gflops
     )
+    if args.thresholds:
+        sweep_thresholds(model, tok, jobs, cfg, args)
     if args.long:
         long_jobs = pair_jobs("train", args.long, 0, con, long_share=1.0, key="long")
         lcfg = cfg.model_copy(update={"k": 4, "max_turns": LONG_MAX_TURNS})
