@@ -353,8 +353,9 @@ def test_self_check_tolerance_follows_the_compute_dtype_not_the_first_parameter(
 
 def test_a_model_left_training_with_checkpointing_decodes_as_in_eval_mode(policy):
     """The GRM reviews on the policy's base right after an update, the model still in training
-    mode; with gradient checkpointing transformers then drops the cache (what broke the first GPU
-    run). The engine decodes in eval mode and hands the model back training."""
+    mode; with gradient checkpointing transformers 5.17 then drops the cache (what broke the first
+    GPU run; this test fails there without the fix, while 5.24 keeps the cache). The engine
+    decodes in eval mode and hands the model back training."""
     model, tok = policy
     p = prompt(tok, REQUESTS[0])
     model.eval()
