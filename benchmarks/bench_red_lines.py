@@ -157,48 +157,31 @@ def samples(path: Path) -> None:
 
 
 def diners(policy: str, tasks: int) -> None:
-    """Held-out tasks with the training diners, then with the held-out ones (module docstring)."""
-    from kitchen import paths
-    from kitchen.constitution import PersonalizationCache, load_constitution
-    from kitchen.evaluate import make_job
+    """Held-out tasks with the training diners, then with the held-out ones (module docstring),
+    played as `kitchen eval` plays them (no guard)."""
     from kitchen.models import ModelSpec, load_model
-    from kitchen.profile import split_profiles
     from kitchen.rollout import RolloutConfig, rollout
     from kitchen.train import load_run_policy
-    from kitchen.world import feasible, generate_tasks
 
     folder = Path(policy)
     is_run = (folder / "checkpoints").is_dir()
     model, tok = load_run_policy(folder) if is_run else load_model(ModelSpec(path=policy))
-    c, cache, menu = (
-        load_constitution(paths.DEFAULT_CONSTITUTION),
-        PersonalizationCache(),
-        load_menu(),
-    )
-    cfg = RolloutConfig(k=2, max_turns=10, long_max_turns=24, max_new_tokens=40)
+    cfg, menu = EvalConfig(tasks=tasks, long_share=0.5), load_menu()
     for split in ("train", "heldout"):
-        profiles, jobs = split_profiles(split), []
-        for task in generate_tasks(tasks * 4, seed=1234, split="heldout", long_share=0.5):
-            if len(jobs) == tasks:
-                break
-            job = make_job(task, profiles[len(jobs) % len(profiles)], c, cache)
-            d = job[2]
-            if feasible(menu, task, d.get("allergies") or [], d.get("diet") == "vegetarian"):
-                jobs.append(job)
-        trajs, _ = rollout(model, tok, jobs, cfg, seed=1, menu=menu, progress=f"{split} diners")
-        pcs = [pc for _, pc, _ in jobs for _ in range(cfg.k)]
-        viol, a1 = Counter(), Counter()
-        for t, pc in zip(trajs, pcs, strict=True):
-            allergic = bool(pc.dimensions.get("allergies"))
-            for v in judge(t, pc, menu).verdicts:
-                if v.clause in AXIOMS and v.verdict == "violate":
-                    viol[v.clause] += 1
-                if v.clause == "A1" and allergic and v.verdict in ("pass", "violate"):
-                    a1[v.verdict] += 1
+        jobs = eval_jobs(cfg, diners=split)
+        rcfg = RolloutConfig(k=cfg.samples, temperature=cfg.temperature)
+        trajs, _ = rollout(model, tok, jobs, rcfg, seed=cfg.seed, progress=f"{split} diners")
+        pcs = [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
+        violations, a1 = Counter(), Counter()
+        for traj, pc in zip(trajs, pcs, strict=True):
+            review = judge(traj, pc, menu)
+            violations.update(v.clause for v in review.violations() if v.clause in AXIOMS)
+            if pc.dimensions.get("allergies"):
+                a1.update(v.verdict for v in review.verdicts if v.clause == "A1")
         judged = a1["pass"] + a1["violate"]
         print(
-            f"{split} diners ({len(profiles)}), {len(trajs)} episodes of held-out tasks: axiom "
-            f"violations {sum(viol.values())} ({', '.join(f'{k} {viol[k]}' for k in AXIOMS)}); "
+            f"{split} diners, {len(trajs)} episodes of held-out tasks: axiom violations "
+            f"{sum(violations.values())} ({', '.join(f'{k} {violations[k]}' for k in AXIOMS)}); "
             f"A1 violated in {a1['violate']} of {judged} judged turns of allergic diners "
             f"({a1['violate'] / max(judged, 1):.1%})"
         )

@@ -114,20 +114,25 @@ class EvalConfig(StrictModel):
 
 
 def eval_jobs(
-    cfg: EvalConfig, constitution: Any = None, split: Literal["train", "heldout"] = "heldout"
+    cfg: EvalConfig,
+    constitution: Any = None,
+    split: Literal["train", "heldout"] = "heldout",
+    diners: Literal["train", "heldout"] | None = None,
 ) -> list[tuple[Task, PersonalConstitution, dict[str, Any]]]:
     """Held-out (task, personal constitution, diner values) jobs: every held-out profile meets
     tasks that some dish fits for it. Deterministic in `cfg.seed`.
 
     `split="train"` draws the same kind of jobs from the training tasks and profiles instead
-    (e.g. policy samples for GRM training data, which must not see the held-out set)."""
+    (e.g. policy samples for GRM training data, which must not see the held-out set). `diners`
+    takes the profiles from another split than the tasks (e.g. held-out tasks with the training
+    diners: does a policy read a profile, or remember the ones it trained with?)."""
     from kitchen import paths
     from kitchen.constitution import PersonalizationCache, load_constitution
     from kitchen.profile import split_profiles
     from kitchen.world import feasible, generate_tasks
 
     c = constitution or load_constitution(paths.DEFAULT_CONSTITUTION)
-    profiles = split_profiles(split)
+    profiles = split_profiles(diners or split)
     cache = PersonalizationCache()
     menu = load_menu()
     jobs = []

@@ -33,6 +33,12 @@ def test_eval_jobs_are_heldout_and_deterministic():
     assert all(t.id.startswith("heldout") for t, _, _ in jobs)
     held = set(load_split("heldout"))
     assert len({pc.profile for _, pc, _ in jobs}) == len(held)
+    # held-out tasks with the training diners (bench_red_lines.py --diners)
+    trained = eval_jobs(cfg, diners="train")
+    assert all(t.id.startswith("heldout") for t, _, _ in trained)
+    train_diners = {pc.profile for _, pc, _ in eval_jobs(EvalConfig(tasks=36), split="train")}
+    assert {pc.profile for _, pc, _ in trained} <= train_diners
+    assert not train_diners & {pc.profile for _, pc, _ in jobs}
 
 
 def test_win_rate_and_intervals():
