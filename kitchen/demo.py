@@ -557,10 +557,11 @@ def main_job(
     cfg = EvalConfig(tasks=eval_tasks, samples=eval_samples, long_share=base.eval.long_share)
     halves = {}  # MAPO at half its budget: the half run, or the full run's kept checkpoint
     for m in mapos.values():
-        ck = folders[m] / "checkpoints" / f"it-{half_point(recipes[m]):04d}"
         if m in half_runs_of:
             halves[half_name(m)] = trained[half_runs_of[m]]
-        elif (ck / "state.pt").exists():
+            continue
+        ck = folders[m] / "checkpoints" / f"it-{half_point(recipes[m]):04d}"
+        if (ck / "state.pt").exists():
             halves[half_name(m)] = ck
     policies = {"sft": paths.DATA / "models" / "policy-tiny", **folders, **halves}
     held, trajs = held_out(policies, cfg, progress, cache=out / "held_out", unguarded=set(halves))
