@@ -126,12 +126,17 @@ def grm_recall(trajs, pcs, menu) -> None:
         print(f"    {clause}: {caught} of {bad} violations caught, {alarms} false alarms in {good}")
 
 
+def allergies_in(system: str) -> set[str]:
+    """The diner's allergies as the policy's system message lists them."""
+    m = ALLERGIES.search(system)
+    return set(m.group(1).split(",")) - {"none"} if m else set()
+
+
 def sft_data(path: Path) -> None:
     menu = load_menu()
     found = Counter()
     for row in read_jsonl(path):
-        m = ALLERGIES.search(row["messages"][0]["content"])
-        allergies = set(m.group(1).split(",")) - {"none"} if m else set()
+        allergies = allergies_in(row["messages"][0]["content"])
         for msg in row["messages"]:
             if msg["role"] == "tool" and "; allergens: " in msg["content"] and allergies:
                 dish = menu.find(msg["content"].split(":")[0])
@@ -144,8 +149,7 @@ def samples(path: Path) -> None:
     local = defaultdict(list)
     for row in read_jsonl(path):
         traj = Trajectory.model_validate(row["trajectory"])
-        m = ALLERGIES.search(traj.messages[0]["content"])
-        allergies = set(m.group(1).split(",")) - {"none"} if m else set()
+        allergies = allergies_in(traj.messages[0]["content"])
         for found, did, i in after_check(replay(traj, menu), allergies):
             if row["valid"][i]:
                 local[(found, did)].append(row["local"][i])
