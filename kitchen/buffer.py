@@ -10,8 +10,9 @@ hence `max_age`.
 
 A record holds the columns of `StepSamples`: state key (exact, and an optional coarser abstract
 key), task-group id, trajectory id, turn index, action token ids and their log-probs at
-collection, local reward, step return, global reward, validity and policy version; plus its
-insertion order. `kitchen.steps.advantages_for` is the one place step samples enter a buffer.
+collection, local reward, step return, global reward, validity and policy version, and — where
+the samples carry them — the turn's verdict on each clause (a [C] row; the clause weights are
+stored once); plus its insertion order. `kitchen.steps.advantages_for` is the one place step samples enter a buffer.
 
 How it stays fast at 10^6 records (benchmarks/bench_buffer.py measures it):
 - Columns are preallocated torch tensors in CPU memory; action tokens and log-probs are stored
@@ -163,6 +164,8 @@ def _token_hash(flat: Tensor, lengths: Tensor) -> Tensor:
 class ReplayBuffer:
     """In-memory store of step samples with state-group lookup, eviction and sampling."""
 
+    clause_weight: Tensor | None = None  # (a class default too: buffers pickled before it existed)
+
     def __init__(self, config: BufferConfig | None = None, **fields) -> None:
         self.config = config or BufferConfig(**fields)
         cap = self.config.capacity
@@ -180,6 +183,7 @@ class ReplayBuffer:
         self._tok_n = 0
         self._codes = {k: _Codes() for k in ("state", "abstract", "task_group", "traj")}
         self._dedup: dict[tuple, int] = {}
+        self.clause_weight: Tensor | None = None  # [C], set by the first add that has clauses
         self.evicted = {"capacity": 0, "max_age": 0, "dedup": 0}
 
     # ----------------------------------------------------------------------------- insertion
@@ -220,6 +224,8 @@ class ReplayBuffer:
             "valid": samples.valid,
             "alive": torch.ones(n, dtype=torch.bool),
         }
+        if samples.clauses is not None or self.clause_weight is not None:
+            cols["clauses"] = self._clause_rows(samples)
         self._order += n
         newest = max(self.version, int(versions.max()) if n else 0)
         keep = torch.ones(n, dtype=torch.bool)
@@ -235,6 +241,46 @@ class ReplayBuffer:
         self._evict_capacity()
         self._prune_keys()
         return rows[self._col["alive"][rows]]
+
+    def _clause_rows(self, samples: StepSamples) -> Tensor:
+        """The samples' clause verdicts [N, C] for the `clauses` column (NaN rows for samples
+        without any), creating the column at the first add that has them."""
+        n = len(samples)
+        if self.clause_weight is None:
+            self.clause_weight = samples.clause_weight.clone()
+            width = self.clause_weight.shape[0]
+            self._col["clauses"] = torch.full((self._alloc, width), torch.nan)
+        elif samples.clauses is not None and not torch.equal(
+            samples.clause_weight, self.clause_weight
+        ):
+            raise KitchenError(
+                [
+                    Problem(
+                        "buffer.add",
+                        None,
+                        "clause_weight",
+                        f"these samples weigh their {samples.clause_weight.shape[0]} clauses "
+                        f"{samples.clause_weight.tolist()}; the buffer holds "
+                        f"{self.clause_weight.tolist()} (one constitution per buffer)",
+                    )
+                ]
+            )
+        if samples.clauses is None:
+            return torch.full((n, self.clause_weight.shape[0]), torch.nan)
+        bad = torch.isinf(samples.clauses).any(1)
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise KitchenError(
+                [
+                    Problem(
+                        "buffer.add",
+                        None,
+                        f"trajectory {_as_keys(samples.traj)[i]!r} turn {int(samples.turn[i])}",
+                        "a clause verdict is infinite; verdicts are +1, −1 or NaN (n/a)",
+                    )
+                ]
+            )
+        return samples.clauses
 
     def _check_finite(self, floats, flat_lp, lp_len, traj_keys, turns) -> None:
         for name, v in floats.items():
@@ -367,7 +413,7 @@ class ReplayBuffer:
             min(2 * max(self._alloc, 1024), self.config.capacity + self._headroom), self._n + b
         )
         for k, v in self._col.items():
-            grown = torch.zeros(target, dtype=v.dtype)
+            grown = torch.zeros((target, *v.shape[1:]), dtype=v.dtype)
             grown[: self._n] = v[: self._n]
             self._col[k] = grown
         self._alloc = target
@@ -497,7 +543,15 @@ class ReplayBuffer:
             fresh=fresh,
             run=torch.cat([run, c["run"][history]]),
             valid=torch.cat([samples.valid, c["valid"][history]]),
+            **self._clauses_of(samples, history),
         )
+
+    def _clauses_of(self, samples: StepSamples, history: Tensor) -> dict[str, Tensor | None]:
+        """`clauses` and `clause_weight` for `batch`: the fresh samples' then the history's."""
+        if samples.clauses is None or self.clause_weight is None:
+            return {"clauses": None, "clause_weight": None}
+        rows = torch.cat([samples.clauses, self._col["clauses"][history]])
+        return {"clauses": rows, "clause_weight": self.clause_weight}
 
     def samples(self, rows: Tensor) -> StepSamples:
         """The stored records at `rows` as step samples (keys as given to `add`)."""
@@ -523,6 +577,8 @@ class ReplayBuffer:
             valid=c["valid"][rows],
             version=c["version"][rows],
             run=c["run"][rows],
+            clauses=None if self.clause_weight is None else c["clauses"][rows],
+            clause_weight=self.clause_weight,
         )
 
     # -------------------------------------------------------------------------------- memory
@@ -531,6 +587,8 @@ class ReplayBuffer:
         """Bytes per live record: fixed columns, tokens + log-probs, and the key dictionaries."""
         n = max(self._alive, 1)
         columns = sum(torch.empty(0, dtype=d).element_size() for d in _COLUMNS.values())
+        if self.clause_weight is not None:
+            columns += 4 * self.clause_weight.shape[0]
         tokens = self._tok_n * (self._tokens.element_size() + self._logp.element_size()) / n
         keys = 0
         for codes in self._codes.values():

@@ -321,6 +321,83 @@ def local_advantages(
     return adv, stats
 
 
+def clause_advantages(
+    scores: Tensor,
+    weights: Tensor,
+    groups: Tensor,
+    *,
+    norm: Norm | None = None,
+    singleton: Literal["zero", "turn", "batch"] = "zero",
+    turn_groups: Tensor | None = None,
+    batch_groups: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled local advantages: each clause's verdicts normalised in the group on their own.
+
+    With s_ic the verdict of clause c at step i (+1 pass, −1 violate; NaN where c does not apply)
+    and w_c the clause's weight,
+
+        z_ic = local_advantages(s_·c | groups)_i      over the steps where c applies
+        u_i  = Σ_c w_c z_ic / Σ_(c applies at i) w_c
+        A_i  = u_i / std(u)                           std over the steps of i's batch group
+
+    A coupled local reward r_i = Σ w_c s_ic / Σ w_c is normalised as one number, so the clauses
+    that vary most in a group (long messages break allergen and menu clauses more often) drown a
+    clause that varies little, and different mixes of passes and violations collapse to one value
+    (docs/method.md#decoupled-clauses). Here every clause is compared in its own group first,
+    and the weights only decide how the comparisons add up; the last division gives A the unit
+    scale a coupled z-score has, so α mixes the same magnitudes either way (GDPO, Liu et al.
+    2026, arXiv 2601.05242, sums per-reward group normalisations, then normalises over the batch;
+    here that last step only rescales: each clause's scores are already centred in their groups).
+
+    scores: [N, C]; weights: [C] (> 0); groups, turn_groups: [N] or [N, k] keys; batch_groups:
+    [N] independent runs (default one). A step where no clause applies gets 0; so does a whole
+    batch group whose clauses never vary. Returns (A [N], metrics): `group/clause_signal_frac`,
+    the share of (step, applicable clause) cells whose group varied on that clause.
+    """
+    if scores.dim() != 2 or weights.shape != (scores.shape[1],):
+        raise ValueError(
+            f"scores must be [N, C] and weights [C]; got {tuple(scores.shape)} and "
+            f"{tuple(weights.shape)}"
+        )
+    if bool((weights <= 0).any()) or not bool(torch.isfinite(weights).all()):
+        raise ValueError(f"clause weights must be finite and > 0; got {weights.tolist()}")
+    n = scores.shape[0]
+    applies = ~torch.isnan(scores)  # [N, C]
+    num = torch.zeros(n, dtype=torch.float64, device=scores.device)
+    den = torch.zeros(n, dtype=torch.float64, device=scores.device)
+    moved = 0
+    for c in range(scores.shape[1]):  # a loop over clauses (~15), never over samples
+        rows = applies[:, c].nonzero()[:, 0]
+        if rows.numel() == 0:
+            continue
+        z, _ = local_advantages(
+            scores[rows, c],
+            groups[rows],
+            norm=norm,
+            singleton=singleton,
+            turn_groups=None if turn_groups is None else turn_groups[rows],
+            batch_groups=None if batch_groups is None else batch_groups[rows],
+        )
+        num[rows] += float(weights[c]) * z.double()
+        den[rows] += float(weights[c])
+        moved += int((z != 0).sum())
+    u = torch.where(den > 0, num / den.clamp(min=1e-12), torch.zeros_like(num))
+    runs = (
+        torch.zeros(n, dtype=torch.long, device=scores.device)
+        if batch_groups is None
+        else batch_groups
+    )
+    code, n_runs = dense(runs)
+    k = torch.zeros(n_runs, dtype=u.dtype, device=u.device).index_add_(0, code, torch.ones_like(u))
+    ss = torch.zeros(n_runs, dtype=u.dtype, device=u.device).index_add_(0, code, u * u)
+    mean = torch.zeros(n_runs, dtype=u.dtype, device=u.device).index_add_(0, code, u) / k
+    std = (ss / k - mean * mean).clamp(min=0).sqrt()
+    a = torch.where(std[code] > 0, u / std[code].clamp(min=1e-12), torch.zeros_like(u))
+    cells = int(applies.sum())
+    metrics = {"group/clause_signal_frac": moved / cells} if cells else {}
+    return a.to(scores.dtype), metrics
+
+
 def global_advantages(
     outcome: Tensor,
     task_groups: Tensor,
@@ -588,10 +665,12 @@ class AdvantageConfig(StrictModel):
         "REINFORCE++, where the environment's final reward is a step reward). Off: the outcome "
         "only enters through the global advantage.",
     )
-    local_signal: Literal["reward", "return"] = Field(
+    local_signal: Literal["reward", "return", "clauses"] = Field(
         "return",
         description="What the local advantage normalises: the step's own local reward, or the "
-        "step return (equal to the reward when gamma = 0 and outcome_in_return is off).",
+        "step return (equal to the reward when gamma = 0 and outcome_in_return is off), or "
+        "'clauses': each clause's verdicts in the group on their own, then weighted "
+        "(`clause_advantages`; needs gamma 0 and the samples' per-clause verdicts).",
     )
     local_groups: Literal["state", "state_in_task", "turn", "batch"] = Field(
         "state",
@@ -691,6 +770,11 @@ class AdvantageConfig(StrictModel):
                 "with mix 'convex', alpha0 and alpha1 must lie in [0, 1]; use mix "
                 "'additive' for a local weight above 1"
             )
+        if self.local_signal == "clauses" and (self.gamma or self.outcome_in_return):
+            raise ValueError(
+                "local_signal 'clauses' normalises each turn's own verdicts: set gamma: 0 and "
+                "outcome_in_return: false"
+            )
         if self.replay_in_gradient and not self.use_buffer:
             raise ValueError("replay_in_gradient needs use_buffer: true")
         if self.kl_target is not None and not self.beta:
@@ -713,7 +797,8 @@ class StepBatch:
     one call (the lab's seeds): 'batch' statistics never mix runs. `valid` ([N] bool, default all)
     marks the rows that carry a local signal; the others get A_local = 0 and stay out of the
     local groups' statistics (a turn no clause applied to, or whose verdicts the GRM failed to
-    give: no signal is not a zero).
+    give: no signal is not a zero). `clauses` ([N, C], NaN where a clause does not apply) and
+    `clause_weight` ([C]) are the turn's per-clause verdicts, for `local_signal: clauses`.
     """
 
     local_reward: Tensor
@@ -726,6 +811,8 @@ class StepBatch:
     fresh: Tensor | None = None
     run: Tensor | None = None
     valid: Tensor | None = None
+    clauses: Tensor | None = None
+    clause_weight: Tensor | None = None
 
     def __len__(self) -> int:
         return self.local_reward.shape[0]
@@ -812,14 +899,23 @@ def advantages(
         # rows without a local signal (no verdict applied, or the reviewer gave none) stay out of
         # the local groups and keep A_local = 0: no signal is not a zero reward
         has = torch.arange(n, device=dev) if batch.valid is None else batch.valid.nonzero()[:, 0]
-        sub, l_stats = local_advantages(
-            signal[has],
-            local_keys[has],
-            norm=config.local_norm,
-            singleton=config.singleton,
-            turn_groups=turn_groups[has],
-            batch_groups=runs[has],
-        )
+        kw = {
+            "norm": config.local_norm,
+            "singleton": config.singleton,
+            "turn_groups": turn_groups[has],
+            "batch_groups": runs[has],
+        }
+        sub, l_stats = local_advantages(signal[has], local_keys[has], **kw)
+        if config.local_signal == "clauses":
+            if batch.clauses is None or batch.clause_weight is None:
+                raise ValueError(
+                    "local_signal 'clauses' needs the steps' per-clause verdicts "
+                    "(StepBatch.clauses and clause_weight); these samples carry none"
+                )
+            sub, clause_metrics = clause_advantages(
+                batch.clauses[has], batch.clause_weight, local_keys[has], **kw
+            )
+            metrics |= clause_metrics
         a_local[has] = sub
         local_rows = rows if batch.valid is None else rows[batch.valid[rows]]
         position = torch.full((n,), -1, dtype=torch.long, device=dev)
@@ -1039,11 +1135,21 @@ def describe(config: AdvantageConfig | str) -> str:
             "turn": "its turn group's (same task group and turn index)",
             "batch": "the batch's",
         }[c.singleton]
-        lines += [
-            f"  x_t      = {_signal_text(c, c.local_signal)}",
-            f"  A_local  = {_norm_text('x', 'g', c.local_norm)},  g = {group}",
-            f"             a step alone in g gets {lone}; a turn without a local signal gets 0",
-        ]
+        if c.local_signal == "clauses":
+            lines += [
+                "  x_t,c    = the turn's verdict on clause c (+1 pass, −1 violate), where c applies",
+                f"  z_t,c    = {_norm_text('x_·,c', 'g', c.local_norm)},  g = {group}",
+                f"             a step alone in g gets {lone}",
+                "  A_local  = (Σ_c w_c·z_t,c / Σ_c w_c) / its std over the batch,  w_c the "
+                "clause weights",
+                "             a turn without a local signal gets 0",
+            ]
+        else:
+            lines += [
+                f"  x_t      = {_signal_text(c, c.local_signal)}",
+                f"  A_local  = {_norm_text('x', 'g', c.local_norm)},  g = {group}",
+                f"             a step alone in g gets {lone}; a turn without a local signal gets 0",
+            ]
     else:
         lines.append("  A_local  not used (α = 0 throughout)")
     if uses_global:

@@ -160,15 +160,43 @@ def turn_rewards(
         if ids:
             rewards[t], valid[t] = worst, True
             contrib[t] = {c: worst / len(ids) for c in ids}
-    if flagged == "trajectory" and review.flags:
-        hit = set(range(review.turns))
-    elif flagged == "turn":
-        hit = {t for t in flagged_turns(review) if 0 <= t < review.turns}
-    else:
-        hit = set()
-    for t in hit:
+    for t in _flagged_hit(review, flagged):
         rewards[t], valid[t], contrib[t] = worst, True, {"flagged": worst}
     return rewards, valid, contrib
+
+
+def _flagged_hit(review: Review, flagged: Flagged) -> set[int]:
+    """The turns `flagged` scores as if they broke every clause."""
+    if flagged == "trajectory" and review.flags:
+        return set(range(review.turns))
+    if flagged == "turn":
+        return {t for t in flagged_turns(review) if 0 <= t < review.turns}
+    return set()
+
+
+def clause_scores(
+    review: Review,
+    pc: PersonalConstitution,
+    flagged: Flagged = "keep",
+    red_lines: RedLines = "weigh",
+) -> list[dict[str, float]]:
+    """Each assistant turn's verdict per clause, as numbers: `[T]` maps of clause id → +1 (pass)
+    or −1 (violate); a clause without a verdict at t is absent. A turn `turn_rewards` scores as
+    the worst (an axiom broken under `red_lines="veto"`, a flagged turn) reads −1 on every clause
+    of `pc`. What `mapo.clause_advantages` normalises clause by clause."""
+    axioms = {c.id for c in pc.clauses if c.kind == "axiom"}
+    known = {c.id for c in pc.clauses}
+    out: list[dict[str, float]] = [{} for _ in range(review.turns)]
+    worst = set()
+    for v in review.verdicts:
+        if v.verdict not in SCORE or v.clause not in known or not 0 <= v.turn < review.turns:
+            continue
+        out[v.turn][v.clause] = SCORE[v.verdict]
+        if red_lines == "veto" and v.verdict == "violate" and v.clause in axioms:
+            worst.add(v.turn)
+    for t in worst | _flagged_hit(review, flagged):
+        out[t] = dict.fromkeys(known, -1.0)
+    return out
 
 
 def worst_reward(pc: PersonalConstitution, mode: Literal["mean", "sum"] = "mean") -> float:

@@ -81,6 +81,9 @@ class StepSamples:
         valid         the turn carries a local signal (a clause applied and the reviewer spoke)
         version       the policy version (iteration) that produced it
         run           independent runs in one call (the lab's seeds), or None
+        clauses       [N, C] the turn's verdict on each clause (+1 pass, −1 violate, NaN where
+                      the clause does not apply), or None; `clause_weight` [C] their weights.
+                      Only `local_signal: clauses` reads them (`mapo.clause_advantages`).
 
     Lists are coerced: `turn` to int64, rewards to float32, `valid` to bool (default all True),
     an int `version` to one per sample, `abstract` None to the exact key.
@@ -100,6 +103,8 @@ class StepSamples:
     valid: Tensor | None = None
     version: Tensor | int = 0
     run: Tensor | None = None
+    clauses: Tensor | None = None
+    clause_weight: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.state)
@@ -126,6 +131,18 @@ class StepSamples:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} samples")
         if len(self.global_reward) != n or len(self.valid) != n or len(self.tok_len) != n:
             raise ValueError(f"global_reward, valid and tok_len need {n} entries each")
+        if (self.clauses is None) != (self.clause_weight is None):
+            raise ValueError("clauses and clause_weight come together: give both or neither")
+        if self.clauses is not None:
+            self.clause_weight = torch.as_tensor(self.clause_weight, dtype=torch.float32)
+            self.clauses = torch.as_tensor(self.clauses, dtype=torch.float32)
+            width = self.clause_weight.numel()
+            if self.clause_weight.dim() != 1 or self.clauses.numel() != n * width:
+                raise ValueError(
+                    f"clauses must be [{n} samples, {width} clauses] beside clause_weight "
+                    f"{tuple(self.clause_weight.shape)}; got {tuple(self.clauses.shape)}"
+                )
+            self.clauses = self.clauses.reshape(n, width)
         m = int(self.tok_len.sum())
         if self.tokens.shape[0] != m or self.logp.shape[0] != m:
             raise ValueError(
@@ -146,8 +163,13 @@ class StepSamples:
             vals = [getattr(p, f.name) for p in parts]
             if f.name in ("state", "abstract", "task_group", "traj"):
                 out[f.name] = _cat_keys(vals)
-            elif f.name == "run":
+            elif f.name in ("run", "clauses"):
                 out[f.name] = None if any(v is None for v in vals) else torch.cat(vals)
+            elif f.name == "clause_weight":
+                same = all(v is not None and torch.equal(v, vals[0]) for v in vals)
+                if vals[0] is not None and not same:
+                    raise ValueError("samples to concatenate weigh their clauses differently")
+                out[f.name] = vals[0] if same and out["clauses"] is not None else None
             else:
                 out[f.name] = torch.cat(vals)
         return cls(**out)
@@ -178,6 +200,8 @@ class StepSamples:
             turn=self.turn,
             run=self.run,
             valid=self.valid,
+            clauses=self.clauses,
+            clause_weight=self.clause_weight,
         )
 
 

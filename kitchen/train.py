@@ -124,6 +124,7 @@ from kitchen.profile import split_profiles
 from kitchen.review import (
     Review,
     clause_pass_rates,
+    clause_scores,
     global_reward,
     turn_rewards,
     worst_reward,
@@ -582,6 +583,7 @@ class EpisodeRewards:
     contributions: list[dict[str, float]]  # [T] clause id → its share of local[t]
     outcome: float  # R, the global reward
     truncated: bool = False  # truncated turns are trained on (with the worst local reward)
+    scores: list[dict[str, float]] | None = None  # [T] clause id → +1 / −1 (`clause_scores`)
 
 
 def episode_rewards(
@@ -602,6 +604,7 @@ def episode_rewards(
             else 0
         )
         outcome = global_reward(done, r, reward.global_blend, reward.flagged)
+        scores = clause_scores(r, pc, reward.flagged, reward.red_lines)
         keep = reward.truncated == "worst"
         if keep:
             worst = worst_reward(pc, reward.local_mode)
@@ -609,8 +612,9 @@ def episode_rewards(
                 if ti.truncated and ti.turn < len(local):
                     local[ti.turn], valid[ti.turn] = worst, True
                     contrib[ti.turn] = {"truncated": worst}
+                    scores[ti.turn] = {c.id: -1.0 for c in pc.clauses}
         local = [x if v else 0.0 for x, v in zip(local, valid, strict=True)]
-        out.append(EpisodeRewards(local, valid, contrib, outcome, keep))
+        out.append(EpisodeRewards(local, valid, contrib, outcome, keep, scores))
     return out
 
 
@@ -626,13 +630,18 @@ def step_samples(
     config: AdvantageConfig,
     group_of: Callable[[int], Hashable],
     version: int = 0,
+    clause_weights: dict[str, float] | None = None,
 ) -> StepSamples:
     """The step samples of a batch of episodes: one per trainable turn, in episode order.
 
     A turn's step return is `returns_for(config)` over *all* turns of its episode (an
-    untrainable turn still passes its reward back); `group_of(i)` is episode i's task group."""
+    untrainable turn still passes its reward back); `group_of(i)` is episode i's task group.
+    With `clause_weights` (clause id → weight: the constitution's clauses, in a fixed order) the
+    samples also carry each turn's verdict per clause (`StepSamples.clauses`), which
+    `local_signal: clauses` normalises."""
     cols: dict[str, list] = {k: [] for k in ("state", "abstract", "group", "traj", "turn")}
-    tokens, logp, local, ret, outcome, valid = [], [], [], [], [], []
+    tokens, logp, local, ret, outcome, valid, verdicts = [], [], [], [], [], [], []
+    ids = list(clause_weights or {})
     for i, (t, rw) in enumerate(zip(trajs, rewards, strict=True)):
         if not t.turns:
             continue
@@ -649,7 +658,13 @@ def step_samples(
             valid.append(rw.valid[ti.turn])
             ret.append(float(g[ti.turn]))
             outcome.append(rw.outcome)
+            if clause_weights is not None:
+                turn = rw.scores[ti.turn] if rw.scores and ti.turn < len(rw.scores) else {}
+                verdicts.append([turn.get(c, math.nan) for c in ids])
     flat_tokens, tok_len = ragged(tokens, torch.long)
+    clauses = None
+    if clause_weights is not None:
+        clauses = torch.tensor(verdicts, dtype=torch.float32).reshape(len(local), len(ids))
     flat_logp, _ = ragged(logp, torch.float32)
     return StepSamples(
         state=cols["state"],
@@ -665,6 +680,8 @@ def step_samples(
         global_reward=outcome,
         valid=valid,
         version=version,
+        clauses=clauses,
+        clause_weight=None if clause_weights is None else list(clause_weights.values()),
     )
 
 
@@ -848,6 +865,9 @@ class Run:
         self.progress = progress
         self.adv_cfg = recipe.advantage.resolve()
         self.constitution = load_constitution(_home(recipe.constitution))
+        self.clause_weights = {
+            c: self.constitution.clause(c).weight for c in self.constitution.clause_ids
+        }
         self.cache = PersonalizationCache()
         self.menu = load_menu()
         spec = recipe.policy.model_copy(update={"path": _home(recipe.policy.path)})
@@ -1028,7 +1048,12 @@ class Run:
         # 3. rewards per turn and per episode → one step sample per trainable turn
         rewards = episode_rewards(trajs, reviews, pcs, r.reward)
         samples = step_samples(
-            trajs, rewards, self.adv_cfg, lambda i: f"it{it}:job{i // k}", version=it
+            trajs,
+            rewards,
+            self.adv_cfg,
+            lambda i: f"it{it}:job{i // k}",
+            version=it,
+            clause_weights=self.clause_weights,
         )
         # 4. advantages (through the buffer where the preset uses one), 5. REINFORCE + KL
         scored, update = None, {}

@@ -263,3 +263,36 @@ def test_valid_flag_round_trips_into_step_batches():
     batch = buf.batch(again, buf.history(again, exclude=kept))
     assert batch.valid.tolist() == [True, True, False]
     assert stored(buf).valid.tolist() == [True, False, True, True]
+
+
+def with_clauses(s: StepSamples, rows, weight=(3.0, 1.0)) -> StepSamples:
+    s.clauses = torch.tensor(rows, dtype=torch.float32)
+    s.clause_weight = torch.tensor(weight)
+    return s
+
+
+def test_clause_verdicts_round_trip_into_step_batches():
+    """Per-clause verdicts are stored per record (NaN for n/a, and for records added without
+    any), come back in `samples` and in the history rows of `batch`, survive the column's growth
+    past its first allocation, and a buffer refuses samples that weigh their clauses otherwise."""
+    nan = float("nan")
+    buf = ReplayBuffer(capacity=5000)
+    buf.add(samples(["s"], traj=["plain"]))  # before any clause: a NaN row once the column exists
+    first = with_clauses(samples(["s", "t"], traj=["a", "b"]), [[1, nan], [-1, 1]])
+    buf.add(first)
+    again = with_clauses(samples(["s"], traj=["c"], version=1), [[-1, -1]])
+    kept = buf.add(again)
+    batch = buf.batch(again, buf.history(again, exclude=kept))
+    assert_close(batch.clauses, torch.tensor([[-1, -1], [nan, nan], [1, nan]]), equal_nan=True)
+    assert batch.clause_weight.tolist() == [3.0, 1.0]
+    for v in range(3000):  # grows the columns several times
+        add(buf, [f"x{v}"], traj=[f"x{v}"], version=1)
+    back = stored(buf)
+    assert_close(
+        back.clauses[:4], torch.tensor([[nan, nan], [1, nan], [-1, 1], [-1, -1]]), equal_nan=True
+    )
+    assert back.clauses[4:].isnan().all() and back.clause_weight.tolist() == [3.0, 1.0]
+    with pytest.raises(KitchenError, match="one constitution per buffer"):
+        buf.add(with_clauses(samples(["s"], traj=["d"]), [[1, 1]], weight=(1.0, 1.0)))
+    with pytest.raises(KitchenError, match="infinite"):
+        buf.add(with_clauses(samples(["s"], traj=["e"]), [[float("inf"), 1]]))

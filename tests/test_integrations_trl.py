@@ -129,12 +129,16 @@ def test_grm_reward_has_trls_signature_and_logs_clauses(policy):
         reward(prompts=[None], completions=[None])
 
 
-def test_two_trl_steps_move_the_weights_with_kitchens_advantages(tmp_path):
+@pytest.mark.parametrize("signal", ["return", "clauses"])
+def test_two_trl_steps_move_the_weights_with_kitchens_advantages(tmp_path, signal):
     """Two GRPOTrainer steps on CPU: the adapter moved, and every turn's tokens carry exactly
     the advantage kitchen computes from the same episodes and reviews (the oracle: step samples →
-    replay buffer → `mapo.advantages`), history from the first step included."""
-    r = recipe("mapo")
+    replay buffer → `mapo.advantages`), history from the first step included — with the local
+    reward, and with each clause normalised on its own (`local_signal: clauses`)."""
+    over = {"beta": 0.02, "state_key": "abstract", "local_signal": signal}
+    r = recipe("mapo", advantage={"preset": "mapo", "overrides": over})
     trainer, moved = train(tmp_path, r)
+    weights = trainer.kitchen_clauses
     assert trainer.state.global_step == 2 and moved > 0
     cfg = r.advantage.resolve()
     buf = ReplayBuffer(r.buffer)
@@ -142,7 +146,9 @@ def test_two_trl_steps_move_the_weights_with_kitchens_advantages(tmp_path):
     for version, h in enumerate(trainer.history):
         trajs, pcs, groups = h["trajectories"], h["pcs"], h["groups"]
         rewards = episode_rewards(trajs, h["reviews"], pcs, r.reward)
-        samples = step_samples(trajs, rewards, cfg, lambda i, g=groups: g[i], version=version)
+        samples = step_samples(
+            trajs, rewards, cfg, lambda i, g=groups: g[i], version=version, clause_weights=weights
+        )
         assert (
             samples.traj == h["samples"].traj
             and samples.turn.tolist() == h["samples"].turn.tolist()

@@ -90,6 +90,16 @@ def test_everything_registers_through_verls_registries():
     assert kv.register() == names  # idempotent
 
 
+def test_the_clause_signal_is_refused_naming_what_verls_batch_lacks():
+    """verl hands the estimator one reward per turn: `local_signal: clauses` is a clear error at
+    configuration time, not a failure inside the first training step."""
+    from pydantic import ValidationError
+
+    node = {"advantage": {"preset": "mapo", "overrides": {"local_signal": "clauses"}}}
+    with pytest.raises(ValidationError, match="per-clause verdicts"):
+        kv.settings_from({"kitchen": node})
+
+
 def test_turn_reward_layout_round_trips():
     """r_t on the last token of turn t and R on the last response token read back exactly."""
     mask = torch.tensor([[1, 1, 0, 0, 1, 0, 0, 0], [1, 0, 1, 1, 1, 0, 0, 0]])

@@ -7,7 +7,7 @@ import pytest
 from kitchen.constitution import personalize
 from kitchen.judge import judge
 from kitchen.profile import Profile
-from kitchen.review import clause_pass_rates, global_reward, turn_rewards
+from kitchen.review import clause_pass_rates, clause_scores, global_reward, turn_rewards
 from kitchen.world import Task, World, distinct_word_count, word_count
 
 THAI = Task(id="t-thai", request="I'd like some thai food.", cuisine="thai")
@@ -237,6 +237,24 @@ def test_flagged_turns_score_as_violations_when_asked(concierge):
     assert (rewards[1], valid[1], contrib[1]) == (kept[0][1], kept[1][1], kept[2][1])
     total = sum(c.weight for c in pc.clauses)
     assert turn_rewards(review, pc, mode="sum", flagged="turn")[0][0] == -total
+
+
+def test_clause_scores_are_the_verdicts_and_a_worst_turn_breaks_every_clause(concierge):
+    """`clause_scores` reads each turn's verdicts as +1 / −1 (the decoupled local advantage's
+    input), leaving n/a clauses out; a turn the reward scores as the worst — an axiom broken
+    under the veto, a flagged turn — reads −1 on every clause, as its local reward says."""
+    review, _, pc = run(concierge, ["@search thai", "I recommend Tofu Satay."])
+    scores = clause_scores(review, pc)
+    assert scores[0] == {}  # a named-cuisine search: no clause applies
+    _, _, contrib = turn_rewards(review, pc)
+    weights = {c.id: c.weight for c in pc.clauses}
+    den = sum(weights[c] for c in scores[1])
+    assert {c: weights[c] * x / den for c, x in scores[1].items()} == pytest.approx(contrib[1])
+    every = dict.fromkeys((c.id for c in pc.clauses), -1.0)
+    assert clause_scores(review, pc, red_lines="veto")[1] == every
+    review.flags = ["t0: fake verdicts"]
+    assert clause_scores(review, pc, flagged="turn") == [every, scores[1]]
+    assert clause_scores(review, pc, flagged="trajectory") == [every, every]
 
 
 # --------------------------------------------------------------------------------------------

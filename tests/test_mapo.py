@@ -465,6 +465,8 @@ def test_describe_prints_what_each_preset_applies():
     assert "sqrt(var_g + 1e-08)" in mapo.describe("reinforce_pp")
     assert "A_global + α·A_local" in mapo.describe("gigpo")
     assert "mean of the others" in mapo.describe("rloo")
+    clauses = mapo.describe(mapo.preset("mapo", local_signal="clauses"))
+    assert "verdict on clause c" in clauses and "w_c the clause weights" in clauses
     lines = {name: mapo.describe(name) for name in PRESETS}
     assert len(set(lines.values())) == len(PRESETS)
 
@@ -675,3 +677,98 @@ def test_rows_without_local_signal_get_zero_local_advantage_and_stay_out_of_grou
     assert_close(adv[:2], torch.tensor([-1 / (s + 1e-6), 1 / (s + 1e-6)]))
     assert adv[2] == 0.0
     assert metrics["group/local_signal_frac"] == 0.75
+
+
+# --------------------------------------------------------------------------------------------
+# Decoupled clauses: each clause normalised in its group on its own
+
+
+NAN = math.nan
+
+
+def test_clause_advantages_by_hand():
+    """Group 0: clause 0 (weight 3) reads +,+,−, clause 1 (weight 1) +,−,+; group 1: one clause
+    applies, +/−. Each clause's Bessel z-score, their weighted mean, then unit population std."""
+    s = t(1, 1, 1, -1, -1, 1, -1, NAN, 1, NAN).reshape(5, 2)
+    a, metrics = mapo.clause_advantages(s, t(3, 1), g(0, 0, 0, 1, 1))
+    hi, lo = 1 / math.sqrt(3), -2 / math.sqrt(3)  # z of [+1, +1, −1] (mean 1/3, std 2/√3)
+    pair_ = 1 / math.sqrt(2)
+    u = torch.tensor(
+        [(3 * hi + hi) / 4, (3 * hi + lo) / 4, (3 * lo + hi) / 4, -pair_, pair_],
+        dtype=torch.float64,
+    )
+    want = u / u.std(unbiased=False)
+    assert_close(a, want.float(), atol=1e-6, rtol=1e-5)
+    assert metrics["group/clause_signal_frac"] == 1.0
+
+
+def test_one_varying_clause_gives_the_coupled_advantage_up_to_scale():
+    """When a single clause varies (the others pass everywhere), decoupling changes nothing but
+    the scale: the same signs and ratios as the z-score of the weighted-mean reward."""
+    verdict = t(1, -1, -1, 1, 1, 1)
+    s = torch.stack([verdict, torch.ones(6), torch.ones(6)], 1)
+    w = t(3, 1, 2)
+    a, _ = mapo.clause_advantages(s, w, g(0, 0, 0, 0, 1, 1))
+    coupled, _ = local_advantages((s * w).sum(1) / w.sum(), g(0, 0, 0, 0, 1, 1))
+    ratio = a[:4] / coupled[:4]
+    assert_close(ratio, ratio[0].expand(4)) and ratio[0] > 0
+    assert a[4:].tolist() == [0.0, 0.0]  # a group whose clauses never vary: no signal
+
+
+def test_a_clause_that_varies_little_keeps_its_signal():
+    """Eight answers to one state: A1 (weight 3) broken by half of them, T3 (weight 1) by one
+    (which passes A1). Coupled, the T3 failure moves the advantage by a third of what an A1
+    failure does — the weights' ratio; decoupled, by about half: each gap is in its own clause's
+    standard deviations, and a rarer failure is more telling (T3's std √½, A1's √(8/7))."""
+    a1 = t(1, 1, 1, 1, -1, -1, -1, -1)
+    t3 = t(1, 1, 1, -1, 1, 1, 1, 1)
+    s = torch.stack([a1, t3], 1)
+    w = t(3, 1)
+    groups = torch.zeros(8, dtype=torch.long)
+    dec, _ = mapo.clause_advantages(s, w, groups)
+    cou, _ = local_advantages((s * w).sum(1) / w.sum(), groups)
+
+    def t3_over_a1(x):
+        return float((x[0] - x[3]) / (x[0] - x[4]))  # T3's cost / A1's cost, same other verdicts
+
+    assert t3_over_a1(cou) == pytest.approx(1 / 3, rel=1e-5)
+    assert t3_over_a1(dec) == pytest.approx((1 / math.sqrt(0.5)) / (3 / math.sqrt(8 / 7)), rel=1e-5)
+
+
+def test_clause_advantages_fall_back_per_clause_and_skip_steps_without_verdicts():
+    """A lone state borrows its turn group's statistics clause by clause ('turn'); a step where no
+    clause applies gets 0; bad shapes and weights are errors."""
+    s = t(1, NAN, -1, NAN, 1, NAN, NAN, NAN).reshape(4, 2)
+    a, metrics = mapo.clause_advantages(
+        s, t(1, 1), g(0, 1, 2, 3), singleton="turn", turn_groups=g(9, 9, 9, 9)
+    )
+    assert a[0] > 0 > a[1] and a[2] > 0 and a[3] == 0
+    zero, _ = mapo.clause_advantages(s, t(1, 1), g(0, 1, 2, 3))  # 'zero': lone states say nothing
+    assert zero.tolist() == [0.0] * 4
+    assert mapo.clause_advantages(s, t(1, 1), g(0, 1, 2, 3))[1]["group/clause_signal_frac"] == 0.0
+    with pytest.raises(ValueError, match=r"\[N, C\]"):
+        mapo.clause_advantages(s, t(1, 1, 1), g(0, 1, 2, 3))
+    with pytest.raises(ValueError, match="> 0"):
+        mapo.clause_advantages(s, t(1, 0), g(0, 1, 2, 3))
+
+
+def test_the_clause_signal_needs_per_turn_verdicts_and_its_own_reward():
+    """local_signal 'clauses' is one turn's verdicts: a discounted return is refused at
+    configuration time, and a batch without per-clause verdicts is a clear error."""
+    with pytest.raises(ValidationError, match="gamma: 0"):
+        mapo.preset("mapo", local_signal="clauses", gamma=0.9)
+    cfg = mapo.preset("mapo", local_signal="clauses", use_buffer=False)
+    batch = StepBatch(
+        local_reward=t(1, 0),
+        global_reward=t(1, 0),
+        ret=t(1, 0),
+        state=g(0, 0),
+        task_group=g(0, 0),
+        traj=g(0, 1),
+        turn=g(0, 0),
+    )
+    with pytest.raises(ValueError, match="per-clause verdicts"):
+        mapo.advantages(batch, cfg)
+    batch.clauses, batch.clause_weight = t(1, -1).reshape(2, 1), t(2)
+    adv, metrics = mapo.advantages(batch, cfg)
+    assert adv[0] > adv[1] and "group/clause_signal_frac" in metrics

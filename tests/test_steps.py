@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -102,3 +103,46 @@ def test_replayed_history_follows_the_fresh_samples():
     assert scored.samples.state == ["s", "s", "u"]  # the task group of the matching record
     assert scored.samples.actions() == [[1], [3, 4], [5]]
     assert scored.adv.shape == (3,)
+
+
+def test_clause_verdicts_travel_with_the_samples_to_the_advantage():
+    """StepSamples carry [N, C] clause verdicts beside their weights; concat keeps them; the
+    buffer-backed path gives `local_signal: clauses` the fresh rows' and the history's verdicts,
+    the same numbers as a StepBatch built by hand."""
+    nan = float("nan")
+    w = torch.tensor([3.0, 1.0])
+    a = make(["s", "s"], [1.0, 0.5])
+    a.clauses, a.clause_weight = torch.tensor([[1.0, 1.0], [1.0, -1.0]]), w
+    b = make(["s", "u"], [-1.0, 1.0], task="h", version=1)
+    b.clauses, b.clause_weight = torch.tensor([[-1.0, nan], [1.0, nan]]), w
+    both = StepSamples.concat([a, b])
+    assert_close(both.clauses[2:], b.clauses, equal_nan=True)
+    cfg = mapo.preset("mapo", local_signal="clauses", alpha={"kind": "constant", "alpha0": 1.0})
+    buf = ReplayBuffer(BufferConfig())
+    advantages_for(a, cfg, buf, step=0)
+    scored = advantages_for(b, cfg, buf, step=1)
+    by_hand = StepBatch(
+        local_reward=torch.tensor([-1.0, 1.0, 1.0, 0.5]),
+        global_reward=torch.zeros(4),
+        ret=torch.tensor([-1.0, 1.0, 1.0, 0.5]),
+        state=torch.tensor([0, 1, 0, 0]),
+        task_group=torch.tensor([1, 1, 0, 0]),
+        traj=torch.tensor([0, 1, 2, 3]),
+        turn=torch.zeros(4, dtype=torch.long),
+        fresh=torch.tensor([True, True, False, False]),
+        clauses=torch.cat([b.clauses, a.clauses]),
+        clause_weight=w,
+    )
+    want, _ = mapo.advantages(by_hand, cfg, step=1)
+    assert_close(scored.adv, want[:2])
+    assert scored.adv[0] < 0
+    mixed = make(["s"], [0.0])
+    mixed.clauses, mixed.clause_weight = torch.tensor([[1.0, 1.0]]), torch.tensor([1.0, 1.0])
+    with pytest.raises(ValueError, match="differently"):
+        StepSamples.concat([a, mixed])
+    with pytest.raises(ValueError, match=r"\[1 samples, 3 clauses\]"):
+        StepSamples(
+            **{**vars(make(["s"], [0.0])), "clauses": torch.ones(1, 2), "clause_weight": [1, 1, 1]}
+        )
+    with pytest.raises(ValueError, match="both or neither"):
+        StepSamples(**{**vars(make(["s"], [0.0])), "clauses": torch.ones(1, 2)})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -180,6 +181,41 @@ def test_update_moves_weights_toward_positive_advantages(runs_dir):
         "judge/compliance",
     ):
         assert key in m
+
+
+def test_a_run_on_decoupled_clauses_trains_on_every_turns_verdicts(runs_dir):
+    """`local_signal: clauses`: the step samples carry each turn's verdicts in the
+    constitution's clause order (what the reviewer said, as +1 / −1, NaN where a clause does not
+    apply), the buffer keeps them for the state groups, and the update moves the adapter."""
+    from kitchen.review import clause_scores
+
+    over = {"beta": 0.02, "state_key": "abstract", "local_signal": "clauses"}
+    over["alpha"] = {"kind": "constant", "alpha0": 0.5}
+    run = Run(tiny_recipe("clauses", advantage={"overrides": over}), progress=False)
+    before = lora_state(run.model)
+    m = run.step()
+    after = lora_state(run.model)
+    assert sum((after[k] - before[k]).abs().sum().item() for k in before) > 0
+    assert 0 < m["group/clause_signal_frac"] <= 1 and m["adv/local_abs_mean"] > 0
+    ids = run.constitution.clause_ids
+    stored = run.buffer.samples(run.buffer.rows())
+    assert stored.clauses.shape == (len(stored), len(ids))
+    row = {
+        (k, t): i for i, (k, t) in enumerate(zip(stored.traj, stored.turn.tolist(), strict=True))
+    }
+    checked = 0
+    for traj, review, pc in zip(
+        run.last["trajectories"], run.last["reviews"], run.last["pcs"], strict=True
+    ):
+        for t, scores in enumerate(clause_scores(review, pc)):
+            if (traj.id, t) in row:
+                got = stored.clauses[row[traj.id, t]].tolist()
+                want = [scores.get(c, math.nan) for c in ids]
+                assert [None if math.isnan(x) else x for x in got] == [
+                    None if math.isnan(x) else x for x in want
+                ]
+                checked += 1
+    assert checked >= 8
 
 
 def test_resume_reaches_the_same_result(runs_dir):
@@ -604,6 +640,12 @@ def test_truncated_turns_train_with_the_worst_local_reward_or_not_at_all(concier
     (worst,) = episode_rewards(trajs, reviews, pcs, RewardConfig(reviewer="judge"))
     assert worst.local[1] == -1.0 and worst.valid[1] and worst.contributions[1] == {"truncated": -1}
     assert make_samples(trajs, [worst], cfg, lambda i: i).turn.tolist() == [0, 1]
+    assert set(worst.scores[1].values()) == {-1.0} and len(worst.scores[1]) == len(pc.clauses)
+    weights = {c.id: c.weight for c in pc.clauses}
+    with_clauses = make_samples(trajs, [worst], cfg, lambda i: i, clause_weights=weights)
+    assert with_clauses.clauses.shape == (2, len(weights))
+    assert with_clauses.clauses[1].tolist() == [-1.0] * len(weights)
+    assert with_clauses.clause_weight.tolist() == list(weights.values())
     drop = episode_rewards(trajs, reviews, pcs, RewardConfig(reviewer="judge", truncated="drop"))
     assert drop[0].local[1] != -1.0
     assert make_samples(trajs, drop, cfg, lambda i: i).turn.tolist() == [0]

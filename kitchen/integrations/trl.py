@@ -548,6 +548,8 @@ class MAPOTrainer(GRPOTrainer):
         )
         self.kitchen_buffer = ReplayBuffer(buffer or BufferConfig())
         self.kitchen_calls = 0
+        # the clauses of every job's constitution, in one order (`local_signal: clauses`)
+        self.kitchen_clauses = {c.id: c.weight for _, pc, _ in jobs for c in pc.clauses}
         self.history: deque[dict[str, Any]] = deque(maxlen=keep_history)
         with warnings.catch_warnings():  # rollout_func is documented, and marked experimental
             warnings.filterwarnings("ignore", message=".*rollout_func.*experimental.*")
@@ -576,7 +578,14 @@ class MAPOTrainer(GRPOTrainer):
         reviews = [self.kitchen_reward.last[t.id] for t in batch.trajs]
         rewards = [self.kitchen_reward.last_rewards[t.id] for t in batch.trajs]
         version = self.kitchen_calls
-        mine = step_samples(batch.trajs, rewards, cfg, lambda i: batch.groups[i], version=version)
+        mine = step_samples(
+            batch.trajs,
+            rewards,
+            cfg,
+            lambda i: batch.groups[i],
+            version=version,
+            clause_weights=self.kitchen_clauses,
+        )
         parts = gather_object([mine])  # every process's samples, in process order
         offset = sum(len(p) for p in parts[: self.accelerator.process_index])
         scored = advantages_for(StepSamples.concat(parts), cfg, self.kitchen_buffer, version)

@@ -76,7 +76,7 @@ from typing import Any
 from uuid import uuid4
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kitchen.buffer import BufferConfig, ReplayBuffer
 from kitchen.config import KitchenError, StrictModel
@@ -110,6 +110,16 @@ class VerlSettings(StrictModel):
         default_factory=lambda: BufferConfig(max_age=8, dedup=True),
         description="The replay buffer (used with state keys).",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> VerlSettings:
+        if self.advantage.resolve().local_signal == "clauses":
+            raise ValueError(
+                "advantage local_signal 'clauses' needs each turn's per-clause verdicts, which "
+                "verl's batch does not carry (one reward per turn); use 'return' or 'reward' "
+                "with verl, or train with kitchen's loop or TRL"
+            )
+        return self
 
 
 def settings_from(config: Any) -> VerlSettings:
