@@ -10,13 +10,18 @@ every step and every clause gets its own verdict (docs/method.md#grm). Into numb
 
       r_t = Σ_{c∈A_t} w_c · s_{t,c} / Σ_{c∈A_t} w_c        (mode "mean", the default)
       r_t = Σ_{c∈A_t} w_c · s_{t,c}                        (mode "sum")
+      r_t = −Σ_{c∈A_t, s_{t,c} = −1} w_c / Σ_{c∈C} w_c    (mode "violations")
 
-  with w_c the clause weight from the personal constitution (axioms weigh more). A turn where no
-  clause applies gets r_t = 0 in "sum" mode and is *masked* in "mean" mode (no signal, not a 0).
+  with w_c the clause weight from the personal constitution (axioms weigh more) and C all of its
+  clauses. A turn where no clause applies gets r_t = 0 in "sum" and "violations" modes and is
+  *masked* in "mean" mode (no signal, not a 0). "violations" scores a turn by what it broke
+  alone, against a denominator that does not depend on the turn: a turn that breaks nothing —
+  a search as much as a flawless recommendation — gets 0, the best (departure 5).
   With red lines as a *veto* (`red_lines="veto"`), a turn that violates any axiom gets the
   lowest local reward whatever else it kept:
 
-      r_t = −1  (mode "mean"; −Σ_c w_c in "sum")   if s_{t,a} = −1 for some axiom a ∈ A_t
+      r_t = −1  (modes "mean" and "violations"; −Σ_c w_c in "sum")   if s_{t,a} = −1 for some
+                                                                       axiom a ∈ A_t
 
   A weighted mean lets a turn buy an axiom violation back with the clauses it kept: on 90
   held-out judge-reviewed dialogues, turns that recommended or ordered an allergen dish (A1
@@ -49,6 +54,14 @@ Departures from the method (docs/method.md):
    more but does not say how much. At the main job's budget it did not lower axiom violations
    (docs/method.md#rewards, measured with the rule judge as reviewer), so the default and the
    recipes keep the weighted mean.
+5. "violations" is the kit's answer to the two biases above. A weighted mean over the clauses
+   that *apply* rewards doing little: a message with few clauses is judged on easy ones. Measured
+   on MAPO's held-out episodes (`benchmarks/bench_personal.py`): an opening line to a hurried
+   diner breaks T4 (no small talk) in 69% of cases yet scores +0.76 on average, as much as a
+   recommendation, since privacy (A2, weight 3) and T10 pass beside it; and the search it could
+   have been instead has no clause, so it never enters the state group to be compared with it.
+   A sum rewards doing much. Counting only what a turn breaks, over a fixed denominator, does
+   neither, and puts every turn — tool calls too — into its state group.
 """
 
 from __future__ import annotations
@@ -111,10 +124,13 @@ Flagged = Literal["keep", "turn", "trajectory"]
 RedLines = Literal["weigh", "veto"]
 
 
+LocalMode = Literal["mean", "sum", "violations"]
+
+
 def turn_rewards(
     review: Review,
     pc: PersonalConstitution,
-    mode: Literal["mean", "sum"] = "mean",
+    mode: LocalMode = "mean",
     flagged: Flagged = "keep",
     red_lines: RedLines = "weigh",
 ) -> tuple[list[float], list[bool], list[dict[str, float]]]:
@@ -144,8 +160,14 @@ def turn_rewards(
         if red_lines == "veto" and v.verdict == "violate" and v.clause in axioms:
             broken[v.turn].append(v.clause)
     rewards, valid = [], []
+    total = sum(weights.values())
     for t in range(review.turns):
-        if mode == "sum":
+        if mode == "violations":
+            lost = {c: x for c, x in contrib[t].items() if x < 0}
+            contrib[t] = {c: x / total for c, x in lost.items()}
+            rewards.append(sum(lost.values()) / total)
+            valid.append(True)
+        elif mode == "sum":
             rewards.append(num[t])
             valid.append(True)
         elif den[t] > 0:
@@ -199,10 +221,10 @@ def clause_scores(
     return out
 
 
-def worst_reward(pc: PersonalConstitution, mode: Literal["mean", "sum"] = "mean") -> float:
-    """The lowest local reward a turn can get: every clause broken (−1 in "mean" mode, minus the
-    sum of the clause weights in "sum" mode)."""
-    return -1.0 if mode == "mean" else -float(sum(c.weight for c in pc.clauses))
+def worst_reward(pc: PersonalConstitution, mode: LocalMode = "mean") -> float:
+    """The lowest local reward a turn can get: every clause broken (−1 in "mean" and
+    "violations" modes, minus the sum of the clause weights in "sum" mode)."""
+    return -float(sum(c.weight for c in pc.clauses)) if mode == "sum" else -1.0
 
 
 def flagged_turns(review: Review) -> set[int]:
@@ -253,7 +275,7 @@ def trajectory_reward(
     pc: PersonalConstitution,
     success: int | float,
     *,
-    mode: Literal["mean", "sum"] = "mean",
+    mode: LocalMode = "mean",
     flagged: Flagged = "keep",
     blend: float = 0.0,
 ) -> float:

@@ -164,11 +164,13 @@ class RewardConfig(StrictModel):
         description="Who reviews for the training reward: the GRM (the method), or the "
         "rule judge (an oracle, for ablations: it measures what a perfect GRM would give).",
     )
-    local_mode: Literal["mean", "sum"] = Field(
+    local_mode: Literal["mean", "sum", "violations"] = Field(
         "mean",
         description="A turn's local reward: the weighted mean of its clause verdicts (default: "
-        "a turn where many clauses apply is not rewarded more for it), or their sum. See "
-        "kitchen.review, departure 1.",
+        "a turn where many clauses apply is not rewarded more for it), or their sum, or "
+        "'violations': minus the weight of what it broke over the weight of every clause (a "
+        "turn that breaks nothing, a tool call too, gets 0). See kitchen.review, departures 1 "
+        "and 5.",
     )
     red_lines: Literal["weigh", "veto"] = Field(
         "weigh",

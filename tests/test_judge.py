@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kitchen.constitution import personalize
@@ -216,6 +218,31 @@ def test_a_red_line_veto_gives_the_lowest_reward_to_the_turn_that_crosses_it(con
     assert turn_rewards(safe, pc, red_lines="veto")[0] == turn_rewards(safe, pc)[0]
 
 
+def test_the_violations_mode_scores_a_turn_by_what_it_broke_alone(concierge):
+    """`mode="violations"`: minus the weight of the broken clauses over the weight of all the
+    diner's clauses. A search that no clause judges scores 0 and carries a signal (it joins its
+    state group); an opening line that breaks T4 for a hurried diner scores −1/W however many
+    clauses it kept — where the weighted mean gave it (3 + 1 + 1 − 1)/6; a recommendation breaking
+    A1 and T1 scores −(3 + 2)/W; the veto still gives −1."""
+    review, _, pc = run(
+        concierge,
+        ["Good evening! Happy to help.", "@search thai", "I recommend Tofu Satay."],
+        pace="hurried",
+    )
+    assert verdict(review, 0, "T4") == "violate"
+    total = sum(c.weight for c in pc.clauses)
+    rewards, valid, contrib = turn_rewards(review, pc, mode="violations")
+    assert valid == [True, True, True]
+    assert rewards[0] == pytest.approx(-1 / total) and contrib[0] == {
+        "T4": pytest.approx(-1 / total)
+    }
+    assert rewards[1] == 0.0 and contrib[1] == {}
+    assert rewards[2] == pytest.approx(-5 / total) and set(contrib[2]) == {"A1", "T1"}
+    mean, mean_valid, _ = turn_rewards(review, pc)
+    assert mean[0] > 0.5 and mean_valid[1] is False  # the mean: a good score, and no search
+    assert turn_rewards(review, pc, mode="violations", red_lines="veto")[0][2] == -1.0
+
+
 def test_masked_verdicts_carry_no_signal(concierge):
     review, _, pc = run(concierge, ["@search thai"])
     for v in review.verdicts:
@@ -402,3 +429,31 @@ def test_t6_counts_different_words_so_padding_is_not_a_description(concierge):
         )
         assert verdict(review, 2, "T6") == want, review.get(2, "T6")
     assert distinct_word_count("Ten ten TEN ten.") == 2 and word_count("Ten ten TEN ten.") == 4
+
+
+def test_bench_personal_sorts_messages_by_form_and_counts_their_clause(concierge, capsys):
+    """benchmarks/bench_personal.py (the #14 reading of held-out episodes): a hurried diner's
+    greeting is an opening line that breaks T4, the search after it is the first action of
+    nothing but its own kind, the two recommendation forms are told apart."""
+    import importlib.util
+
+    from kitchen import paths
+    from kitchen.judge import replay
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_personal", paths.HOME / "benchmarks" / "bench_personal.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    actions = ["Good evening! Happy to help.", "@search thai", f"@allergens {SAFE}"]
+    _, traj, pc = run(concierge, [*actions, f"{SAFE}: 5$, 10 min. Order it?"], pace="hurried")
+    turns = replay(traj)
+    assert [bench.form(t) for t in turns if t.kind == "say"] == ["opening", "short"]
+    assert bench.first_action(turns) == "message: opening"
+    _, long_form, _ = run(concierge, [*actions[1:], f"I recommend {SAFE}."], verbosity="brief")
+    assert bench.first_action(replay(long_form)) == "tool @search"
+    assert bench.form(replay(long_form)[-1]) == "recommend"
+    bench.report([traj, long_form], [pc, run(concierge, [], verbosity="brief")[2]], None)
+    out = capsys.readouterr().out
+    assert re.search(r"opening +50\.0% +T4 +1/1 +reward \+0\.667", out)  # (3 + 1 + 1 − 1)/6
+    assert re.search(r"message: opening +100\.0%", out)

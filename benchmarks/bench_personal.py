@@ -1,0 +1,117 @@
+"""Where a policy breaks the personal clauses, and what the local reward pays for each way of
+writing. For #14.
+
+Not a test. Reads the held-out episodes `kitchen demo` keeps (`runs/<out>/held_out/<name>.json`,
+played on the jobs of `runs/<out>/results.json`'s evaluation settings) and reports, per policy
+and profile group (brief, detailed, hurried diners), every message to the diner sorted by its
+form —
+
+- *short*: a recommendation in the short form (`Mango Sticky Rice: 5$, 10 min.`);
+- *recommend*: any other message that names a dish (`I recommend Mango Sticky Rice, ...`);
+- *opening*: a line before the first recommendation of the episode or course that names no dish
+  (`Good evening!`, `Great choice! Now the dessert.`);
+- *question*: any other message that names no dish and asks something (`Which cuisine?`);
+- *other*: the rest —
+
+with how often the group's own clause (T3 for brief, T6 for detailed, T4 for hurried diners)
+breaks on each form and the mean local reward the rule judge's verdicts give it (the kit's
+weighted mean over the clauses that apply, `kitchen.review.turn_rewards`). For hurried diners it
+also counts the episode's first action: a tool call carries no clause, so it never enters a state
+group's local statistics (`mapo.StepBatch.valid`), and an opening line that breaks T4 is compared
+only with other messages, never with the search it could have been.
+
+    .venv/bin/python benchmarks/bench_personal.py runs/demo-seeds sft demo-seeds-mapo-s0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from statistics import mean
+
+from kitchen.evaluate import EvalConfig, eval_jobs
+from kitchen.judge import Turn, judge, replay
+from kitchen.review import turn_rewards
+from kitchen.world import Trajectory, load_menu
+
+SHORT = re.compile(r"^[A-Z][^:.!?]*: \d+\$")  # `Dish: 5$, 10 min.`
+FORMS = ("short", "recommend", "opening", "question", "other")
+GROUPS = {"brief": ("verbosity", "T3"), "detailed": ("verbosity", "T6"), "hurried": ("pace", "T4")}
+
+
+def form(turn: Turn) -> str:
+    """The form of one message to the diner (module docstring)."""
+    text = turn.text.strip()
+    if SHORT.match(text):
+        return "short"
+    if turn.named:
+        return "recommend"
+    if turn.opening:
+        return "opening"
+    return "question" if text.endswith("?") else "other"
+
+
+def first_action(turns: list[Turn]) -> str:
+    if not turns:
+        return "none"
+    return f"tool @{turns[0].tool}" if turns[0].kind == "tool" else f"message: {form(turns[0])}"
+
+
+def report(trajs: list[Trajectory], pcs: list, menu) -> None:
+    count: dict[str, Counter] = defaultdict(Counter)
+    broken: dict[str, Counter] = defaultdict(Counter)
+    reward: dict[tuple[str, str], list[float]] = defaultdict(list)
+    first: Counter = Counter()
+    for traj, pc in zip(trajs, pcs, strict=True):
+        review = judge(traj, pc, menu)
+        local, valid, _ = turn_rewards(review, pc)
+        verdict = {(v.turn, v.clause): v.verdict for v in review.verdicts}
+        turns = replay(traj, menu)
+        groups = [g for g, (dim, _) in GROUPS.items() if pc.dimensions.get(dim) == g]
+        if "hurried" in groups:
+            first[first_action(turns)] += 1
+        for t in turns:
+            if t.kind != "say":
+                continue
+            f = form(t)
+            for g in groups:
+                count[g][f] += 1
+                broken[g][f] += verdict.get((t.index, GROUPS[g][1])) == "violate"
+                if valid[t.index]:
+                    reward[(g, f)].append(local[t.index])
+    for g, (_, clause) in GROUPS.items():
+        n = sum(count[g].values())
+        print(f"  {g} diners, {n} messages ({clause} broken, mean local reward):")
+        for f in FORMS:
+            if count[g][f]:
+                r = reward[(g, f)]
+                print(
+                    f"    {f:<10} {count[g][f] / n:6.1%}  {clause} {broken[g][f]:>4}/"
+                    f"{count[g][f]:<5} reward {mean(r) if r else float('nan'):+.3f}"
+                )
+    n = sum(first.values())
+    print(f"  hurried diners' first action ({n} episodes):")
+    for what, k in first.most_common():
+        print(f"    {what:<22} {k / n:6.1%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("folder", type=Path, help="a `kitchen demo` output folder")
+    ap.add_argument("names", nargs="+", help="policies in its held_out/ (e.g. sft demo-mapo)")
+    args = ap.parse_args()
+    cfg = EvalConfig(**json.loads((args.folder / "results.json").read_text())["eval"])
+    pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
+    menu = load_menu()
+    for name in args.names:
+        doc = json.loads((args.folder / "held_out" / f"{name}.json").read_text())
+        trajs = [Trajectory.model_validate(r) for r in doc["episodes"]["policy"]]
+        print(f"{name}: {len(trajs)} episodes")
+        report(trajs, pcs, menu)
+
+
+if __name__ == "__main__":
+    main()
