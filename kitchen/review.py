@@ -16,7 +16,8 @@ every step and every clause gets its own verdict (docs/method.md#grm). Into numb
   clauses. A turn where no clause applies gets r_t = 0 in "sum" and "violations" modes and is
   *masked* in "mean" mode (no signal, not a 0). "violations" scores a turn by what it broke
   alone, against a denominator that does not depend on the turn: a turn that breaks nothing —
-  a search as much as a flawless recommendation — gets 0, the best (departure 5).
+  a search as much as a flawless recommendation — gets 0, the best (departure 5); a turn with a
+  verdict the reviewer failed to give is masked there (it may hide a violation).
   With red lines as a *veto* (`red_lines="veto"`), a turn that violates any axiom gets the
   lowest local reward whatever else it kept:
 
@@ -150,7 +151,10 @@ def turn_rewards(
     num = [0.0] * review.turns
     den = [0.0] * review.turns
     contrib: list[dict[str, float]] = [{} for _ in range(review.turns)]
+    masked = set()  # turns with a verdict the reviewer failed to give
     for v in review.verdicts:
+        if v.verdict is None and 0 <= v.turn < review.turns:
+            masked.add(v.turn)
         if v.verdict not in SCORE or v.clause not in weights or not 0 <= v.turn < review.turns:
             continue
         w = weights[v.clause]
@@ -166,7 +170,7 @@ def turn_rewards(
             lost = {c: x for c, x in contrib[t].items() if x < 0}
             contrib[t] = {c: x / total for c, x in lost.items()}
             rewards.append(sum(lost.values()) / total)
-            valid.append(True)
+            valid.append(t not in masked)  # a missing verdict may hide a violation
         elif mode == "sum":
             rewards.append(num[t])
             valid.append(True)

@@ -249,6 +249,9 @@ def test_masked_verdicts_carry_no_signal(concierge):
         v.verdict = None
     rewards, valid, _ = turn_rewards(review, pc)
     assert rewards == [0.0] and valid == [False]
+    # counting violations, a missing verdict may hide one: no signal either (a search whose
+    # clauses are all n/a does carry one: test_the_violations_mode_scores_...)
+    assert turn_rewards(review, pc, mode="violations")[1] == [False]
 
 
 def test_flagged_turns_score_as_violations_when_asked(concierge):
