@@ -387,12 +387,8 @@ def clause_advantages(
         if batch_groups is None
         else batch_groups
     )
-    code, n_runs = dense(runs)
-    k = torch.zeros(n_runs, dtype=u.dtype, device=u.device).index_add_(0, code, torch.ones_like(u))
-    ss = torch.zeros(n_runs, dtype=u.dtype, device=u.device).index_add_(0, code, u * u)
-    mean = torch.zeros(n_runs, dtype=u.dtype, device=u.device).index_add_(0, code, u) / k
-    std = (ss / k - mean * mean).clamp(min=0).sqrt()
-    a = torch.where(std[code] > 0, u / std[code].clamp(min=1e-12), torch.zeros_like(u))
+    _, spread = group_normalize(u, runs, unbiased=False)  # only its std: u is not re-centred
+    a = torch.where(spread.std > 0, u / spread.std.clamp(min=1e-12), torch.zeros_like(u))
     cells = int(applies.sum())
     metrics = {"group/clause_signal_frac": moved / cells} if cells else {}
     return a.to(scores.dtype), metrics
