@@ -147,6 +147,13 @@ def _as_keys(x: Sequence[Hashable] | Tensor) -> list:
     return x.tolist() if isinstance(x, Tensor) else list(x)
 
 
+def _at_sample(traj: Hashable, turn: int | Tensor, message: str) -> KitchenError:
+    """A `buffer.add` error located at one sample (trajectory and turn)."""
+    return KitchenError(
+        [Problem("buffer.add", None, f"trajectory {traj!r} turn {int(turn)}", message)]
+    )
+
+
 def _token_hash(flat: Tensor, lengths: Tensor) -> Tensor:
     """62-bit hash of each sample's token sequence: two polynomial hashes mod primes < 2^31."""
     n = lengths.shape[0]
@@ -270,15 +277,10 @@ class ReplayBuffer:
         bad = torch.isinf(samples.clauses).any(1)
         if bad.any():
             i = int(bad.nonzero()[0])
-            raise KitchenError(
-                [
-                    Problem(
-                        "buffer.add",
-                        None,
-                        f"trajectory {_as_keys(samples.traj)[i]!r} turn {int(samples.turn[i])}",
-                        "a clause verdict is infinite; verdicts are +1, −1 or NaN (n/a)",
-                    )
-                ]
+            raise _at_sample(
+                _as_keys(samples.traj)[i],
+                samples.turn[i],
+                "a clause verdict is infinite; verdicts are +1, −1 or NaN (n/a)",
             )
         return samples.clauses
 
@@ -287,31 +289,21 @@ class ReplayBuffer:
             bad = ~torch.isfinite(v)
             if bad.any():
                 i = int(bad.nonzero()[0])
-                raise KitchenError(
-                    [
-                        Problem(
-                            "buffer.add",
-                            None,
-                            f"trajectory {traj_keys[i]!r} turn {int(turns[i])}",
-                            f"{name} is {v[i].item()}; rewards must be finite numbers "
-                            "(check the reward model's verdict for this turn)",
-                        )
-                    ]
+                raise _at_sample(
+                    traj_keys[i],
+                    turns[i],
+                    f"{name} is {v[i].item()}; rewards must be finite numbers "
+                    "(check the reward model's verdict for this turn)",
                 )
         bad = ~torch.isfinite(flat_lp)
         if bad.any():
             seg = torch.repeat_interleave(torch.arange(lp_len.shape[0]), lp_len)
             i = int(seg[bad.nonzero()[0]])
-            raise KitchenError(
-                [
-                    Problem(
-                        "buffer.add",
-                        None,
-                        f"trajectory {traj_keys[i]!r} turn {int(turns[i])}",
-                        "a token log-prob is not finite; store the sampler's log-probs of the "
-                        "tokens it actually emitted",
-                    )
-                ]
+            raise _at_sample(
+                traj_keys[i],
+                turns[i],
+                "a token log-prob is not finite; store the sampler's log-probs of the "
+                "tokens it actually emitted",
             )
 
     def _dedup_batch(self, state_keys: list, cols: dict[str, Tensor], keep: Tensor) -> Tensor:
