@@ -112,11 +112,16 @@ def _constitution_schema(args: argparse.Namespace) -> int:
 
 
 def _world_sft_data(args: argparse.Namespace) -> int:
-    from kitchen.scripted import write_sft_data
+    from kitchen.scripted import SFT_QUIRKS, write_sft_data
 
     _folder_to_write("--out", args.out)
     stats = write_sft_data(
-        args.out, n_train=args.train, n_eval=args.eval, seed=args.seed, long_share=args.long
+        args.out,
+        n_train=args.train,
+        n_eval=args.eval,
+        seed=args.seed,
+        long_share=args.long,
+        quirks=SFT_QUIRKS.model_copy(update={"style_draw": args.style_draw}),
     )
     for name in ("train", "eval"):
         s = stats[name]
@@ -312,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         metavar="SHARE",
         help="share of dialogues that are multi-course meals (long tasks; default 0.5)",
+    )
+    p.add_argument(
+        "--style-draw",
+        choices=["episode", "course"],
+        default="episode",
+        help="draw the agent's attentiveness to the diner's style once per episode (default) or "
+        "again at every course of a meal",
     )
     p.set_defaults(func=_world_sft_data)
 

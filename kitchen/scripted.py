@@ -4,7 +4,8 @@ docs/method.md#cold-start: RL starts from an SFT model that already uses tools a
 multi-turn conversation, trained on synthesised agentic dialogues. Here a rule-based agent plays
 the concierge world — single dishes and multi-course meals — and its dialogues become the SFT data.
 
-The agent is competent but imperfect on purpose, and *partly* personal. Per episode it is
+The agent is competent but imperfect on purpose, and *partly* personal. Per episode (or per
+course of a meal, with `style_draw: course`) it is
 **attentive** with probability `follow_profile_style`: it then writes in the diner's verbosity
 (brief: a few words, within T3's limit; detailed: a description of at least T6's `min_words`,
 kept within a hurried diner's patience) and, for a hurried diner, never opens a course with small
@@ -96,6 +97,12 @@ class Quirks(StrictModel):
         le=1,
         description="Attentive episodes: the diner's verbosity, and no small talk for a hurried "
         "diner; otherwise a random style (see the module docstring for the rate).",
+    )
+    style_draw: Literal["episode", "course"] = Field(
+        "episode",
+        description="When `follow_profile_style` is drawn: once per episode (the style then "
+        "holds throughout, so a policy can learn to copy its own earlier messages), or again at "
+        "every course of a meal (only the profile predicts the next course's style).",
     )
     bundle_courses: float = Field(
         0.1, ge=0, le=1, description="Per course of a meal: name the next course too (T9)."
@@ -253,17 +260,11 @@ class _Episode:
         self.agent, self.world, self.task, self.menu = agent, world, task, world.menu
         q, p, rng = agent.q, agent._p, agent.rng
         self.q, self.p, self.rng = q, p, rng
-        attentive = p(q.follow_profile_style)
-        self.style: Verbosity = (
-            dims.get("verbosity", "normal")
-            if attentive
-            else rng.choice(["brief", "normal", "detailed"])
+        self.dims, self.least = dims, limits.get("min_words", 12)
+        self.most = min(
+            limits.get("max_words", 60), IMPATIENT_WORDS if dims.get("pace") == "hurried" else 60
         )
-        hurried = dims.get("pace") == "hurried"
-        self.chatty = not (attentive and hurried)  # small talk allowed at all
-        self.least = limits.get("min_words", 12)
-        most = min(limits.get("max_words", 60), IMPATIENT_WORDS if hurried else 60)
-        self.words = (self.least, most) if attentive and self.style == "detailed" else None
+        self.choose_style()
         self.allergies = list(dims.get("allergies") or [])
         self.vegetarian = dims.get("diet") == "vegetarian" and not p(q.ignore_diet)
         self.courses: list[str | None] = list(task.courses) or [None]
@@ -280,6 +281,18 @@ class _Episode:
         self.pending: Dish | None = None  # the next course's dish, named with this one (T9)
         self.pending_checked = False
         self.allergen_pick = False
+
+    def choose_style(self) -> None:
+        """Attentive (the diner's verbosity, no small talk for a hurried diner) or a random
+        style: once per episode, or again at every course with `style_draw: course`."""
+        attentive = self.p(self.q.follow_profile_style)
+        self.style: Verbosity = (
+            self.dims.get("verbosity", "normal")
+            if attentive
+            else self.rng.choice(["brief", "normal", "detailed"])
+        )
+        self.chatty = not (attentive and self.dims.get("pace") == "hurried")  # small talk at all
+        self.words = (self.least, self.most) if attentive and self.style == "detailed" else None
 
     # -- acting -------------------------------------------------------------------------------
 
@@ -339,6 +352,8 @@ class _Episode:
             if self.done:
                 break
             if i:
+                if q.style_draw == "course":
+                    self.choose_style()
                 self.say_small_talk(course, first=False)
                 if self.pii_at == i and not self.done:
                     self.act(rng.choice(PII_QUESTIONS))
@@ -613,6 +628,7 @@ def write_sft_data(
     stats["command"] = (
         f"kitchen world sft-data --out {out_dir} --train {n_train} --eval {n_eval} "
         f"--seed {seed} --long {long_share:g}"
+        + (f" --style-draw {quirks.style_draw}" if quirks.style_draw != "episode" else "")
     )
     atomic_write_json(out / "stats.json", stats)
     return stats

@@ -105,6 +105,7 @@ def test_numbers_a_flag_cannot_use_are_usage_errors():
         (["world", "sft-data", "--train", "0"], "--train"),
         (["world", "sft-data", "--long", "nan"], "--long"),
         (["world", "sft-data", "--long", "1.5"], "--long"),
+        (["world", "sft-data", "--style-draw", "turn"], "--style-draw"),
         (["demo", "--iterations", "0"], "--iterations"),
         (["demo", "--eval-tasks", "-3"], "--eval-tasks"),
     ):
@@ -122,3 +123,20 @@ def test_output_paths_that_cannot_be_written_are_located(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
     assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "no" / "r.html")]) == 2
     assert f"--out {tmp_path / 'no' / 'r.html'}: no folder" in capsys.readouterr().err
+
+
+def test_sft_data_style_drawn_per_course(tmp_path, capsys):
+    """`kitchen world sft-data --style-draw course` writes the data and records the flag in the
+    command that remakes it."""
+    import json
+
+    from kitchen import cli
+
+    out = tmp_path / "sft"
+    args = ["world", "sft-data", "--out", str(out), "--train", "6", "--eval", "2"]
+    assert cli.main([*args, "--style-draw", "course"]) == 0
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["command"].endswith("--style-draw course")
+    assert stats["train"]["dialogues"] == 6
+    assert cli.main(args) == 0
+    assert "--style-draw" not in json.loads((out / "stats.json").read_text())["command"]

@@ -118,3 +118,30 @@ def test_sft_data_mixes_meals_and_records_per_clause_rates(tmp_path):
         assert "T3_pass/brief" in train[kind]["personal"]
     assert "T9" in train["long"]["clause_pass"] and "T9" not in train["short"]["clause_pass"]
     assert "--long 0.5" in stats["command"]
+
+
+def test_style_drawn_per_course_varies_within_a_meal_and_only_then():
+    """`style_draw: course` draws the agent's attentiveness again at every course: a meal then
+    mixes the short and the long recommendation; drawn once per episode it never does, and the
+    rates per episode stay those of the generic agent."""
+    import re
+
+    from kitchen.scripted import data_stats
+
+    short = re.compile(r"^[A-Z][^:.!?]*: \d+\$")
+
+    def mixed(quirks):
+        n = 0
+        for traj, _ in episodes(60, seed=5, quirks=quirks, long_share=1.0):
+            says = [m["content"] for m in traj.messages if m["role"] == "assistant"]
+            forms = {bool(short.match(t)) for t in says if short.match(t) or "recommend" in t}
+            n += len(forms) == 2
+        return n
+
+    course = SFT_QUIRKS.model_copy(update={"style_draw": "course"})
+    assert mixed(SFT_QUIRKS) == 0
+    assert mixed(course) >= 10
+    by_course = data_stats(episodes(300, seed=24, quirks=course, long_share=0.5))["personal"]
+    by_episode = data_stats(episodes(300, seed=24, quirks=SFT_QUIRKS, long_share=0.5))["personal"]
+    for key, rate in by_episode.items():
+        assert abs(by_course[key] - rate) < 0.08, (key, by_course[key], rate)
