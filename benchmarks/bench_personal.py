@@ -20,6 +20,18 @@ also counts the episode's first action: a tool call carries no clause, so it nev
 group's local statistics (`mapo.StepBatch.valid`), and an opening line that breaks T4 is compared
 only with other messages, never with the search it could have been.
 
+Two more readings say whether RL *can* move a form:
+
+- *the advantage each form earns*: every valid turn's local reward under each local mode
+  (`reward.local_mode` mean and violations; `local_signal: clauses`), normalised among the turns
+  that share its abstract state key (`mapo.local_advantages`, `mapo.clause_advantages`) — the
+  comparison MAPO's local term makes, here over the whole held-out set. A form whose mean is
+  near its rivals' gets no push, whatever its clause says;
+- *first and later recommendations*: the short form's share among the recommendations of each
+  profile group, the first of the episode against the later ones — a policy that picks the form
+  from the diner's style keeps it; one that copies its own earlier messages or loses the thread
+  in a long episode drifts.
+
     .venv/bin/python benchmarks/bench_personal.py runs/demo-seeds sft demo-seeds-mapo-s0
 """
 
@@ -32,9 +44,12 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean
 
+import torch
+
 from kitchen.evaluate import EvalConfig, eval_jobs
 from kitchen.judge import Turn, judge, replay
-from kitchen.review import turn_rewards
+from kitchen.mapo import clause_advantages, encode, local_advantages
+from kitchen.review import clause_scores, turn_rewards
 from kitchen.world import Trajectory, load_menu
 
 SHORT = re.compile(r"^[A-Z][^:.!?]*: \d+\$")  # `Dish: 5$, 10 min.`
@@ -60,20 +75,85 @@ def first_action(turns: list[Turn]) -> str:
     return f"tool @{turns[0].tool}" if turns[0].kind == "tool" else f"message: {form(turns[0])}"
 
 
+MODES = ("mean", "violations", "clauses")
+RECS = ("short", "recommend")
+
+
+def step_form(turn: Turn) -> str:
+    """A message's form, or `@tool` for a tool call."""
+    return form(turn) if turn.kind == "say" else f"@{turn.tool}"
+
+
+def form_advantages(steps: list[dict]) -> dict[str, dict[tuple[str, str], float]]:
+    """Mean local advantage per (profile group, form), per local signal (module docstring).
+
+    `steps`: one dict per assistant turn — `key` (abstract state key), `groups`, `form`, and per
+    mode in "mean"/"violations" the turn's `reward` and `valid`, plus `scores` (clause id →
+    verdict, ±1) and `weights` (clause id → weight) for "clauses"."""
+    weights = {c: w for s in steps for c, w in s["weights"].items()}
+    ids = sorted(weights)
+    out: dict[str, dict[tuple[str, str], float]] = {}
+    for mode in MODES:
+        rows = [s for s in steps if s["valid"]["mean" if mode == "clauses" else mode]]
+        if not rows:
+            continue
+        keys = encode([s["key"] for s in rows])
+        if mode == "clauses":
+            nan = float("nan")
+            scores = torch.tensor([[s["scores"].get(c, nan) for c in ids] for s in rows])
+            w = torch.tensor([weights[c] for c in ids], dtype=scores.dtype)
+            adv, _ = clause_advantages(scores, w, keys)
+        else:
+            rewards = torch.tensor([s["reward"][mode] for s in rows])
+            adv, _ = local_advantages(rewards, keys)
+        cells: dict[tuple[str, str], list[float]] = defaultdict(list)
+        for s, a in zip(rows, adv.tolist(), strict=True):
+            for g in s["groups"]:
+                cells[(g, s["form"])].append(a)
+        out[mode] = {cell: mean(xs) for cell, xs in cells.items()}
+    return out
+
+
+def recommendation_drift(forms: list[str]) -> tuple[str | None, list[str]]:
+    """(the first recommendation's form, the later ones') among an episode's messages."""
+    recs = [f for f in forms if f in RECS]
+    return (recs[0] if recs else None), recs[1:]
+
+
 def report(trajs: list[Trajectory], pcs: list, menu) -> None:
     count: dict[str, Counter] = defaultdict(Counter)
     broken: dict[str, Counter] = defaultdict(Counter)
     reward: dict[tuple[str, str], list[float]] = defaultdict(list)
     first: Counter = Counter()
+    drift: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+    steps: list[dict] = []
     for traj, pc in zip(trajs, pcs, strict=True):
         review = judge(traj, pc, menu)
         local, valid, _ = turn_rewards(review, pc)
+        lost, lost_valid, _ = turn_rewards(review, pc, mode="violations")
+        scores = clause_scores(review, pc)
         verdict = {(v.turn, v.clause): v.verdict for v in review.verdicts}
         turns = replay(traj, menu)
         groups = [g for g, (dim, _) in GROUPS.items() if pc.dimensions.get(dim) == g]
         if "hurried" in groups:
             first[first_action(turns)] += 1
+        head, later = recommendation_drift([form(t) for t in turns if t.kind == "say"])
+        for g in groups:
+            if head is not None:
+                drift[g]["first"][head] += 1
+                drift[g]["later"].update(later)
         for t in turns:
+            steps.append(
+                {
+                    "key": traj.turns[t.index].abstract_key,
+                    "groups": groups,
+                    "form": step_form(t),
+                    "reward": {"mean": local[t.index], "violations": lost[t.index]},
+                    "valid": {"mean": valid[t.index], "violations": lost_valid[t.index]},
+                    "scores": scores[t.index],
+                    "weights": {c.id: c.weight for c in pc.clauses},
+                }
+            )
             if t.kind != "say":
                 continue
             f = form(t)
@@ -96,6 +176,24 @@ def report(trajs: list[Trajectory], pcs: list, menu) -> None:
     print(f"  hurried diners' first action ({n} episodes):")
     for what, k in first.most_common():
         print(f"    {what:<22} {k / n:6.1%}")
+    print("  short form's share of recommendations, the episode's first · the later ones:")
+    for g in GROUPS:
+        cells = []
+        for when in ("first", "later"):
+            c = drift[g][when]
+            k = sum(c.values())
+            cells.append(f"{c['short'] / k:6.1%} of {k:<4}" if k else "     — of 0   ")
+        print(f"    {g:<9} {cells[0]} · {cells[1]}")
+    adv = form_advantages(steps)
+    shown = ("short", "recommend", "opening", "@search")
+    print("  mean local advantage per form, normalised in abstract state groups (std units):")
+    print(f"    {'':<20}" + "".join(f"{f:>11}" for f in shown))
+    for g in GROUPS:
+        for mode, cells in adv.items():
+            row = "".join(
+                f"{cells[(g, f)]:>+11.2f}" if (g, f) in cells else f"{'—':>11}" for f in shown
+            )
+            print(f"    {g + ' · ' + mode:<20}{row}")
 
 
 def main() -> None:

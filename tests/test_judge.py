@@ -460,3 +460,65 @@ def test_bench_personal_sorts_messages_by_form_and_counts_their_clause(concierge
     out = capsys.readouterr().out
     assert re.search(r"opening +50\.0% +T4 +1/1 +reward \+0\.667", out)  # (3 + 1 + 1 − 1)/6
     assert re.search(r"message: opening +100\.0%", out)
+    assert re.search(r"brief +0\.0% of 1 +· +— of 0", out)  # its one recommendation: long
+    assert re.search(r"hurried +100\.0% of 1 ", out)
+    # the greeting and the search it delayed share a state: only counting violations tells them
+    # apart (the mean mode gives a search no reward, so the greeting is alone there)
+    assert re.search(r"hurried · violations +\+0\.00 +— +-0\.71 +\+0\.71", out)
+    assert re.search(r"hurried · mean +\+0\.00 +— +\+0\.00 +— *\n", out)
+
+
+def _bench_personal():
+    import importlib.util
+
+    from kitchen import paths
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_personal", paths.HOME / "benchmarks" / "bench_personal.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_personal_advantage_per_form_and_recommendation_drift():
+    """What MAPO's local term pays each form: the turns of one abstract state normalised
+    together, per local signal; a lone state pays nothing; the first recommendation apart."""
+    bench = _bench_personal()
+    assert bench.recommendation_drift(["opening", "short", "question", "recommend", "short"]) == (
+        "short",
+        ["recommend", "short"],
+    )
+    assert bench.recommendation_drift(["opening", "question"]) == (None, [])
+
+    def step(key, f, mean, lost, t3, valid=True):
+        return {
+            "key": key,
+            "groups": ["brief"],
+            "form": f,
+            "reward": {"mean": mean, "violations": lost},
+            "valid": {"mean": True, "violations": valid},
+            "scores": {"T3": t3, "A1": 1.0},
+            "weights": {"T3": 1.0, "A1": 3.0},
+        }
+
+    adv = bench.form_advantages(
+        [
+            step("k", "short", 1.0, 0.0, 1.0),
+            step("k", "recommend", 0.5, -0.25, -1.0),
+            step("lone", "opening", 0.9, 0.0, 1.0),
+            step("k", "@search", 0.0, -1.0, 1.0, valid=False),  # masked in violations mode
+        ]
+    )
+    # mean: rewards 1, 0.5, 0 in k (mean 0.5, sample std 0.5): +1, 0, −1
+    assert adv["mean"][("brief", "short")] == pytest.approx(1.0, rel=1e-5)
+    assert adv["mean"][("brief", "@search")] == pytest.approx(-1.0, rel=1e-5)
+    assert adv["mean"][("brief", "opening")] == 0.0  # alone in its state
+    # violations: the masked search leaves 0 and −0.25 (centred ±0.125, std 0.177): ±0.707
+    assert adv["violations"][("brief", "short")] == pytest.approx(2**-0.5, rel=1e-4)
+    assert ("brief", "@search") not in adv["violations"]
+    # clauses: only T3 varies in k (+1, −1, +1 → z = +0.577, −1.155, +0.577, weighted 1/4),
+    # A1 never does; rescaled to unit std over the four steps
+    u = [0.577350 / 4, -1.154701 / 4, 0.0, 0.577350 / 4]
+    sd = (sum(x * x for x in u) / 4 - (sum(u) / 4) ** 2) ** 0.5
+    assert adv["clauses"][("brief", "recommend")] == pytest.approx(u[1] / sd, rel=1e-4)
