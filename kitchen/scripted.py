@@ -5,8 +5,8 @@ multi-turn conversation, trained on synthesised agentic dialogues. Here a rule-b
 the concierge world — single dishes and multi-course meals — and its dialogues become the SFT data.
 
 The agent is competent but imperfect on purpose, and *partly* personal. Per episode (or per
-course of a meal, with `style_draw: course`) it is
-**attentive** with probability `follow_profile_style`: it then writes in the diner's verbosity
+course of a meal, with `style_draw: course`) it is **attentive** with probability
+`follow_profile_style`: it then writes in the diner's verbosity
 (brief: a few words, within T3's limit; detailed: a description of at least T6's `min_words`,
 kept within a hurried diner's patience) and, for a hurried diner, never opens a course with small
 talk (T4). Otherwise it picks a style at random and opens with small talk at the `small_talk`
