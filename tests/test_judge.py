@@ -522,3 +522,41 @@ def test_bench_personal_advantage_per_form_and_recommendation_drift():
     u = [0.577350 / 4, -1.154701 / 4, 0.0, 0.577350 / 4]
     sd = (sum(x * x for x in u) / 4 - (sum(u) / 4) ** 2) ** 0.5
     assert adv["clauses"][("brief", "recommend")] == pytest.approx(u[1] / sd, rel=1e-4)
+
+
+def test_bench_form_history_rewrites_and_probes(tmp_path):
+    """benchmarks/bench_form_history.py: the two rewrites invert each other, only the earlier
+    recommendations are rewritten, and every (verbosity, variant) cell's shares add up to 1."""
+    import importlib.util
+    import json
+
+    from kitchen import paths
+    from kitchen.models import ModelSpec, load_model
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_form_history", paths.HOME / "benchmarks" / "bench_form_history.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    short = "Pad Thai: 12$, 15 min. Order it?"
+    long = "I recommend Pad Thai, 12 dollars, ready in 15 minutes. Order it?"
+    assert bench.to_long(short) == long and bench.to_short(long) == short
+    assert bench.to_long("Which cuisine?") == "Which cuisine?"
+    assert [bench.answer_form(t) for t in (short, long, "@search thai")] == [
+        "short",
+        "long",
+        "other",
+    ]
+    rows = [
+        json.loads(line)
+        for line in (paths.DATA / "sft" / "eval.jsonl").read_text().splitlines()[:40]
+    ]
+    ctxs = bench.contexts(rows, 2)
+    assert len(ctxs) == 6 and {v for _, v, _ in ctxs} == set(bench.VARIANTS)
+    (_, _, written), (_, _, longer), _ = ctxs[:3]
+    changed = [a["content"] for a, b in zip(written, longer, strict=True) if a != b]
+    assert changed and all(bench.SHORT.match(t) for t in changed)  # only short ones rewritten
+    policy = load_model(ModelSpec(path=str(paths.DATA / "models" / "policy-tiny")))
+    shares = bench.probe(policy, rows, 1, 2)
+    assert len(shares) == 3
+    assert all(abs(sum(s.values()) - 1) < 1e-9 for s in shares.values())
