@@ -250,17 +250,25 @@ def _tour(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from kitchen import paths
     from kitchen.demo import main_job, summary
 
     seeds = args.seeds or [0]
+    shipped = paths.RECIPES / "tiny_mapo.yaml"
+    recipe = Path(args.recipe) if args.recipe else shipped
+    own = recipe.resolve() == shipped.resolve()
+    name = "demo" if own else f"demo-{recipe.stem.replace('_', '-')}"
+    out_name = name if seeds == [0] else f"{name}-seeds"
     results = main_job(
         iterations=args.iterations,
         eval_tasks=args.eval_tasks,
         eval_samples=args.eval_samples,
+        recipe=recipe,
         seeds=seeds,
+        out_name=out_name,
         half_runs=args.half_runs,
     )
-    print(summary(results, "demo" if seeds == [0] else "demo-seeds"))
+    print(summary(results, out_name))
     return 0
 
 
@@ -471,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure sample efficiency with a MAPO run trained on half the budget, one more "
         "run per seed (about a quarter more training time); default: the MAPO run's own "
         "checkpoint at half its iterations, which is mid-way down its learning-rate schedule",
+    )
+    p.add_argument(
+        "--recipe",
+        default=None,
+        help="the MAPO recipe, with a `compare: grpo` arm; its policy is the SFT baseline "
+        "(default recipes/tiny_mapo.yaml; another one writes runs/demo-<its name>/)",
     )
     p.set_defaults(func=_demo)
     return parser

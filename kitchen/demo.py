@@ -530,14 +530,22 @@ def main_job(
 ) -> dict[str, Any]:
     """Run the whole main job on `recipe` and its `compare: grpo` arm for every seed; returns
     the results (also written to runs/<out_name>/; `demo` for one seed, `demo-seeds` for more).
-    Sample efficiency plays MAPO at half its budget against GRPO's final policy: the MAPO run's
-    checkpoint at half its iterations, or with `half_runs` a MAPO run trained on half the budget
-    (a third run per seed: its schedules end with it, where the checkpoint is mid-schedule)."""
-    for need in ("policy-tiny", "grm-tiny"):
-        if not (paths.DATA / "models" / need / "config.json").exists():
+    The SFT policy every run is compared with is the recipe's own `policy.path` (the shipped
+    recipe's: data/models/policy-tiny). Sample efficiency plays MAPO at half its budget against
+    GRPO's final policy: the MAPO run's checkpoint at half its iterations, or with `half_runs` a
+    MAPO run trained on half the budget (a third run per seed: its schedules end with it, where
+    the checkpoint is mid-schedule)."""
+    start = load_recipe(recipe)
+    for field, where in (("policy.path", start.policy.path), ("grm.model", start.grm.model)):
+        if not (Path(_home(where)) / "config.json").exists():
+            shipped = Path(_home(where)).resolve().parent == (paths.DATA / "models").resolve()
             raise KitchenError(
-                f"data/models/{need} is missing; it ships with the kit (see its "
-                "PROVENANCE.md for the command that makes it)"
+                f"{recipe}: {field} {where} is missing; "
+                + (
+                    "it ships with the kit (see its PROVENANCE.md for the command that makes it)"
+                    if shipped
+                    else "train it first (the recipe's header names the commands)"
+                )
             )
     seeds = list(seeds)
     out_name = out_name or ("demo" if seeds == [0] else "demo-seeds")
@@ -563,7 +571,7 @@ def main_job(
         ck = folders[m] / "checkpoints" / f"it-{half_point(recipes[m]):04d}"
         if (ck / "state.pt").exists():
             halves[half_name(m)] = ck
-    policies = {"sft": paths.DATA / "models" / "policy-tiny", **folders, **halves}
+    policies = {"sft": Path(_home(start.policy.path)), **folders, **halves}
     held, trajs = held_out(policies, cfg, progress, cache=out / "held_out", unguarded=set(halves))
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
 
@@ -594,6 +602,7 @@ def main_job(
             for method in METHODS
         },
         "eval": cfg.model_dump(),
+        "sft_policy": start.policy.path,
         "train_seconds": train_s,
         "held_out": held,
         "sample_efficiency": eff,

@@ -140,3 +140,19 @@ def test_sft_data_style_drawn_per_course(tmp_path, capsys):
     assert stats["train"]["dialogues"] == 6
     assert cli.main(args) == 0
     assert "--style-draw" not in json.loads((out / "stats.json").read_text())["command"]
+
+
+def test_demo_recipe_that_cannot_run_is_a_located_error(tmp_path, capsys):
+    """`kitchen demo --recipe`: a missing file, or a recipe whose SFT policy is not there yet,
+    exits 2 with a message naming it, before anything trains."""
+    from kitchen import cli, paths
+
+    assert cli.main(["demo", "--recipe", str(tmp_path / "none.yaml")]) == 2
+    assert "none.yaml" in capsys.readouterr().err
+    recipe = tmp_path / "mine.yaml"
+    text = (paths.RECIPES / "tiny_mapo.yaml").read_text()
+    recipe.write_text(text.replace("data/models/policy-tiny", str(tmp_path / "my-sft")))
+    assert cli.main(["demo", "--recipe", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "policy.path" in err and "my-sft" in err and "Traceback" not in err
+    assert not (paths.RUNS / "demo-mine").exists()

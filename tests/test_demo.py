@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -121,13 +122,30 @@ def test_a_failed_training_run_is_reported_with_its_log(tmp_path, runs_dir):
         demo.cook_side_by_side({"demo-grpo": doc}, tmp_path / "out", progress=False)
 
 
-def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir):
-    """Both runs train, are evaluated against the SFT policy on held-out single dishes and
-    meals, and the report, results and table say what each run's advantage computes."""
+def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir, monkeypatch):
+    """Both runs train, are evaluated against the SFT policy — the recipe's own, here a copy of
+    the shipped one — on held-out single dishes and meals, and the report, results and table
+    say what each run's advantage computes."""
+    import shutil
+
+    sft = tmp_path / "my-sft"
+    shutil.copytree(paths.DATA / "models" / "policy-tiny", sft)
+    recipe = Path(small_recipe(tmp_path))
+    recipe.write_text(recipe.read_text().replace("data/models/policy-tiny", str(sft)))
+    played = {}
+    real = demo.held_out
+
+    def spy(policies, *args, **kwargs):
+        played.update(policies)
+        return real(policies, *args, **kwargs)
+
+    monkeypatch.setattr(demo, "held_out", spy)
     results = demo.main_job(
-        iterations=2, eval_tasks=6, eval_samples=1, progress=False, recipe=small_recipe(tmp_path)
+        iterations=2, eval_tasks=6, eval_samples=1, progress=False, recipe=recipe
     )
+    assert Path(played["sft"]) == sft  # the baseline is the recipe's policy
     saved = json.loads((runs_dir / "demo" / "results.json").read_text())
+    assert saved["sft_policy"] == str(sft)
     assert set(saved["held_out"]) == {"sft", "demo-mapo", "demo-grpo", "demo-mapo-half"}
     # MAPO at half its budget (iteration 1 of 2, a kept checkpoint), played without the guard
     assert (runs_dir / "demo-mapo" / "checkpoints" / "it-0001" / "state.pt").exists()
