@@ -1,7 +1,9 @@
-"""Shared fixtures: the shipped constitution and profiles, and a helper to run the CLI."""
+"""Shared fixtures: the shipped constitution and profiles, and helpers to run the CLI and to
+load a benchmark script."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -44,3 +46,11 @@ def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
+
+
+def load_benchmark(name: str):
+    """`benchmarks/<name>.py` as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

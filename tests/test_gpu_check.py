@@ -13,6 +13,8 @@ import pytest
 
 from kitchen import decide, paths
 
+from .conftest import load_benchmark
+
 SCRIPT = paths.HOME / "benchmarks" / "gpu_check.sh"
 
 
@@ -67,26 +69,15 @@ def test_gpu_check_runs_on_a_cpu_in_small_shape(tmp_path):
     assert not list((paths.DATA / "throughput").glob("cpu-small*"))
 
 
-def _load_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_gpu", paths.HOME / "benchmarks" / "bench_gpu.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_small_run_is_never_written_as_a_shipped_record():
     """A smoke run's figures are not measurements: `--small` refuses data/throughput/."""
-    bench = _load_bench()
+    bench = load_benchmark("bench_gpu")
     with pytest.raises(SystemExit, match="smoke run"):
         bench.main(["--small", "--cpu", "--out-dir", str(paths.DATA / "throughput")])
 
 
 def test_gpu_names_give_the_file_names_decide_suggests():
-    bench = _load_bench()
+    bench = load_benchmark("bench_gpu")
     assert bench.gpu_slug("NVIDIA H200") == "h200"
     assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
     assert bench.gpu_slug("cpu") == "cpu"

@@ -12,6 +12,8 @@ from kitchen.profile import Profile
 from kitchen.review import clause_pass_rates, clause_scores, global_reward, turn_rewards
 from kitchen.world import Task, World, distinct_word_count, word_count
 
+from .conftest import load_benchmark
+
 THAI = Task(id="t-thai", request="I'd like some thai food.", cuisine="thai")
 VAGUE = Task(id="t-vague", request="I need dinner.", hidden_cuisine="thai")
 SAFE = "Mango Sticky Rice"
@@ -438,16 +440,9 @@ def test_bench_personal_sorts_messages_by_form_and_counts_their_clause(concierge
     """benchmarks/bench_personal.py (the #14 reading of held-out episodes): a hurried diner's
     greeting is an opening line that breaks T4, the search after it is the first action of
     nothing but its own kind, the two recommendation forms are told apart."""
-    import importlib.util
-
-    from kitchen import paths
     from kitchen.judge import replay
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_personal", paths.HOME / "benchmarks" / "bench_personal.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_personal")
     actions = ["Good evening! Happy to help.", "@search thai", f"@allergens {SAFE}"]
     _, traj, pc = run(concierge, [*actions, f"{SAFE}: 5$, 10 min. Order it?"], pace="hurried")
     turns = replay(traj)
@@ -468,23 +463,10 @@ def test_bench_personal_sorts_messages_by_form_and_counts_their_clause(concierge
     assert re.search(r"hurried · mean +\+0\.00 +— +\+0\.00 +— *\n", out)
 
 
-def _bench_personal():
-    import importlib.util
-
-    from kitchen import paths
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_personal", paths.HOME / "benchmarks" / "bench_personal.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_bench_personal_advantage_per_form_and_recommendation_drift():
     """What MAPO's local term pays each form: the turns of one abstract state normalised
     together, per local signal; a lone state pays nothing; the first recommendation apart."""
-    bench = _bench_personal()
+    bench = load_benchmark("bench_personal")
     assert bench.recommendation_drift(["opening", "short", "question", "recommend", "short"]) == (
         "short",
         ["recommend", "short"],
@@ -527,17 +509,12 @@ def test_bench_personal_advantage_per_form_and_recommendation_drift():
 def test_bench_form_history_rewrites_and_probes(tmp_path):
     """benchmarks/bench_form_history.py: the two rewrites invert each other, only the earlier
     recommendations are rewritten, and every (verbosity, variant) cell's shares add up to 1."""
-    import importlib.util
     import json
 
     from kitchen import paths
     from kitchen.models import ModelSpec, load_model
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_form_history", paths.HOME / "benchmarks" / "bench_form_history.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_form_history")
     short = "Pad Thai: 12$, 15 min. Order it?"
     long = "I recommend Pad Thai, 12 dollars, ready in 15 minutes. Order it?"
     assert bench.to_long(short) == long and bench.to_short(long) == short
