@@ -137,26 +137,29 @@ def report(trajs: list[Trajectory], pcs: list, menu) -> None:
         groups = [g for g, (dim, _) in GROUPS.items() if pc.dimensions.get(dim) == g]
         if "hurried" in groups:
             first[first_action(turns)] += 1
-        head, later = recommendation_drift([form(t) for t in turns if t.kind == "say"])
+        forms = [step_form(t) for t in turns]  # a message's form, or `@tool`
+        weights = {c.id: c.weight for c in pc.clauses}
+        head, later = recommendation_drift(
+            [f for t, f in zip(turns, forms, strict=True) if t.kind == "say"]
+        )
         for g in groups:
             if head is not None:
                 drift[g]["first"][head] += 1
                 drift[g]["later"].update(later)
-        for t in turns:
+        for t, f in zip(turns, forms, strict=True):
             steps.append(
                 {
                     "key": traj.turns[t.index].abstract_key,
                     "groups": groups,
-                    "form": step_form(t),
+                    "form": f,
                     "reward": {"mean": local[t.index], "violations": lost[t.index]},
                     "valid": {"mean": valid[t.index], "violations": lost_valid[t.index]},
                     "scores": scores[t.index],
-                    "weights": {c.id: c.weight for c in pc.clauses},
+                    "weights": weights,
                 }
             )
             if t.kind != "say":
                 continue
-            f = form(t)
             for g in groups:
                 count[g][f] += 1
                 broken[g][f] += verdict.get((t.index, GROUPS[g][1])) == "violate"
