@@ -26,7 +26,9 @@ Two more readings say whether RL *can* move a form:
   (`reward.local_mode` mean and violations; `local_signal: clauses`), normalised among the turns
   that share its abstract state key (`mapo.local_advantages`, `mapo.clause_advantages`) — the
   comparison MAPO's local term makes, here over the whole held-out set. A form whose mean is
-  near its rivals' gets no push, whatever its clause says;
+  near its rivals' gets no push, whatever its clause says. "mean|form" is the mean with content
+  compared only among turns of the same form (`advantage.overrides.form_clauses: [T3, T4, T6]`,
+  `mapo.form_judged`): what is left is the push of the form's own clauses;
 - *first and later recommendations*: the short form's share among the recommendations of each
   profile group, the first of the episode against the later ones — a policy that picks the form
   from the diner's style keeps it; one that copies its own earlier messages or loses the thread
@@ -48,8 +50,9 @@ import torch
 
 from kitchen.evaluate import EvalConfig, eval_jobs
 from kitchen.judge import Turn, judge, replay
-from kitchen.mapo import clause_advantages, encode, local_advantages
+from kitchen.mapo import clause_advantages, encode, form_judged, local_advantages
 from kitchen.review import clause_scores, turn_rewards
+from kitchen.train import EpisodeRewards, form_share
 from kitchen.world import Trajectory, load_menu
 
 SHORT = re.compile(r"^[A-Z][^:.!?]*: \d+\$")  # `Dish: 5$, 10 min.`
@@ -75,7 +78,8 @@ def first_action(turns: list[Turn]) -> str:
     return f"tool @{turns[0].tool}" if turns[0].kind == "tool" else f"message: {form(turns[0])}"
 
 
-MODES = ("mean", "violations", "clauses")
+MODES = ("mean", "violations", "clauses", "mean|form")
+FORM_CLAUSES = ("T3", "T4", "T6")  # `advantage.overrides.form_clauses` for "mean|form"
 RECS = ("short", "recommend")
 
 
@@ -89,12 +93,13 @@ def form_advantages(steps: list[dict]) -> dict[str, dict[tuple[str, str], float]
 
     `steps`: one dict per assistant turn — `key` (abstract state key), `groups`, `form`, and per
     mode in "mean"/"violations" the turn's `reward` and `valid`, plus `scores` (clause id →
-    verdict, ±1) and `weights` (clause id → weight) for "clauses"."""
+    verdict, ±1) and `weights` (clause id → weight) for "clauses", and `form` (the form
+    clauses' share of the mean reward, the code of their verdicts) for "mean|form"."""
     weights = {c: w for s in steps for c, w in s["weights"].items()}
     ids = sorted(weights)
     out: dict[str, dict[tuple[str, str], float]] = {}
     for mode in MODES:
-        rows = [s for s in steps if s["valid"]["mean" if mode == "clauses" else mode]]
+        rows = [s for s in steps if s["valid"][mode.split("|")[0].replace("clauses", "mean")]]
         if not rows:
             continue
         keys = encode([s["key"] for s in rows])
@@ -103,6 +108,11 @@ def form_advantages(steps: list[dict]) -> dict[str, dict[tuple[str, str], float]
             scores = torch.tensor([[s["scores"].get(c, nan) for c in ids] for s in rows])
             w = torch.tensor([weights[c] for c in ids], dtype=scores.dtype)
             adv, _ = clause_advantages(scores, w, keys)
+        elif mode == "mean|form":
+            rewards = torch.tensor([s["reward"]["mean"] for s in rows])
+            share = torch.tensor([s["form_share"][0] for s in rows])
+            code = torch.tensor([s["form_share"][1] for s in rows])
+            adv, _ = local_advantages(form_judged(rewards, share, keys, code), keys)
         else:
             rewards = torch.tensor([s["reward"][mode] for s in rows])
             adv, _ = local_advantages(rewards, keys)
@@ -129,9 +139,10 @@ def report(trajs: list[Trajectory], pcs: list, menu) -> None:
     steps: list[dict] = []
     for traj, pc in zip(trajs, pcs, strict=True):
         review = judge(traj, pc, menu)
-        local, valid, _ = turn_rewards(review, pc)
+        local, valid, contrib = turn_rewards(review, pc)
         lost, lost_valid, _ = turn_rewards(review, pc, mode="violations")
         scores = clause_scores(review, pc)
+        rewards = EpisodeRewards(local, valid, contrib, 0.0, scores=scores)
         verdict = {(v.turn, v.clause): v.verdict for v in review.verdicts}
         turns = replay(traj, menu)
         groups = [g for g, (dim, _) in GROUPS.items() if pc.dimensions.get(dim) == g]
@@ -156,6 +167,7 @@ def report(trajs: list[Trajectory], pcs: list, menu) -> None:
                     "valid": {"mean": valid[t.index], "violations": lost_valid[t.index]},
                     "scores": scores[t.index],
                     "weights": weights,
+                    "form_share": form_share(rewards, t.index, FORM_CLAUSES),
                 }
             )
             if t.kind != "say":

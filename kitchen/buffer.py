@@ -12,7 +12,7 @@ A record holds the columns of `StepSamples`: state key (exact, and an optional c
 key), task-group id, trajectory id, turn index, action token ids and their log-probs at
 collection, local reward, step return, global reward, validity and policy version, and — where
 the samples carry them — the turn's verdict on each clause (a [C] row; the clause weights are
-stored once); plus its insertion order. `kitchen.steps.advantages_for` is the one place step samples enter a buffer.
+stored once) and its form share and form code (`mapo.form_judged`); plus its insertion order. `kitchen.steps.advantages_for` is the one place step samples enter a buffer.
 
 How it stays fast at 10^6 records (benchmarks/bench_buffer.py measures it):
 - Columns are preallocated torch tensors in CPU memory; action tokens and log-probs are stored
@@ -213,6 +213,8 @@ class ReplayBuffer:
             "ret": samples.ret,
             "global_reward": samples.global_reward,
         }
+        if samples.form_reward is not None:
+            floats["form_reward"] = samples.form_reward  # checked with the rewards
         flat_tok, tok_len, flat_lp = samples.tokens, samples.tok_len, samples.logp
         self._check_finite(floats, flat_lp, tok_len, traj_keys, samples.turn)
         versions = samples.version
@@ -233,6 +235,8 @@ class ReplayBuffer:
         }
         if samples.clauses is not None or self.clause_weight is not None:
             cols["clauses"] = self._clause_rows(samples)
+        if samples.form_reward is not None or "form_reward" in self._col:
+            cols |= self._form_rows(samples)
         self._order += n
         newest = max(self.version, int(versions.max()) if n else 0)
         keep = torch.ones(n, dtype=torch.bool)
@@ -283,6 +287,20 @@ class ReplayBuffer:
                 "a clause verdict is infinite; verdicts are +1, −1 or NaN (n/a)",
             )
         return samples.clauses
+
+    def _form_rows(self, samples: StepSamples) -> dict[str, Tensor]:
+        """The samples' `form_reward` and `form_key` columns, creating them at the first add
+        that has them; samples without them read form 0 and key −1 (a form of their own)."""
+        n = len(samples)
+        if "form_reward" not in self._col:
+            self._col["form_reward"] = torch.zeros(self._alloc, dtype=torch.float32)
+            self._col["form_key"] = torch.full((self._alloc,), -1, dtype=torch.long)
+        if samples.form_reward is None:
+            return {
+                "form_reward": torch.zeros(n, dtype=torch.float32),
+                "form_key": torch.full((n,), -1, dtype=torch.long),
+            }
+        return {"form_reward": samples.form_reward, "form_key": samples.form_key}
 
     def _check_finite(self, floats, flat_lp, lp_len, traj_keys, turns) -> None:
         for name, v in floats.items():
@@ -536,6 +554,7 @@ class ReplayBuffer:
             run=torch.cat([run, c["run"][history]]),
             valid=torch.cat([samples.valid, c["valid"][history]]),
             **self._clauses_of(samples, history),
+            **self._forms_of(samples, history),
         )
 
     def _clauses_of(self, samples: StepSamples, history: Tensor) -> dict[str, Tensor | None]:
@@ -544,6 +563,15 @@ class ReplayBuffer:
             return {"clauses": None, "clause_weight": None}
         rows = torch.cat([samples.clauses, self._col["clauses"][history]])
         return {"clauses": rows, "clause_weight": self.clause_weight}
+
+    def _forms_of(self, samples: StepSamples, history: Tensor) -> dict[str, Tensor | None]:
+        """`form_reward` and `form_key` for `batch`: the fresh samples' then the history's."""
+        if samples.form_reward is None or "form_reward" not in self._col:
+            return {"form_reward": None, "form_key": None}
+        return {
+            name: torch.cat([getattr(samples, name), self._col[name][history]])
+            for name in ("form_reward", "form_key")
+        }
 
     def samples(self, rows: Tensor) -> StepSamples:
         """The stored records at `rows` as step samples (keys as given to `add`)."""
@@ -571,6 +599,8 @@ class ReplayBuffer:
             run=c["run"][rows],
             clauses=None if self.clause_weight is None else c["clauses"][rows],
             clause_weight=self.clause_weight,
+            form_reward=c["form_reward"][rows] if "form_reward" in c else None,
+            form_key=c["form_key"][rows] if "form_key" in c else None,
         )
 
     # -------------------------------------------------------------------------------- memory
@@ -581,6 +611,8 @@ class ReplayBuffer:
         columns = sum(torch.empty(0, dtype=d).element_size() for d in _COLUMNS.values())
         if self.clause_weight is not None:
             columns += 4 * self.clause_weight.shape[0]
+        if "form_reward" in self._col:
+            columns += 4 + 8  # form_reward, form_key
         tokens = self._tok_n * (self._tokens.element_size() + self._logp.element_size()) / n
         keys = 0
         for codes in self._codes.values():

@@ -321,6 +321,46 @@ def local_advantages(
     return adv, stats
 
 
+def form_judged(signal: Tensor, form: Tensor, groups: Tensor, strata: Tensor) -> Tensor:
+    """The local signal with its content compared only among turns of the same form.
+
+    A turn's local reward splits into what its form clauses gave and the rest, r_i = f_i + c_i
+    (f: the signed share of the clauses that judge how a message is written for this diner —
+    length, order — c: what it says and does). With g(i) the state group of turn i and s(i) the
+    turns of g(i) with the same verdicts on the form clauses (its stratum),
+
+        r'_i = r_i − (mean_{s(i)} c − mean_{g(i)} c)     where s(i) has ≥ 2 members
+             = r_i                                       otherwise (no other turn of its form)
+
+    so normalising r' in the state group centres the two parts apart:
+
+        r'_i − mean_{g(i)} r' = (f_i − mean_{g(i)} f) + (c_i − mean_{s(i)} c)
+
+    A form is credited by its own clauses only; content (allergens, checks, dishes named) is
+    credited against turns written the same way. Without it, a form the policy happens to use
+    where it skips steps earns less in every state group it shares, and the push lands on the
+    form as much as on the skipped step (docs/method.md#form-credit). It is a baseline that
+    depends on part of the action, so the form no longer learns from content at all: that is
+    the point.
+
+    signal, form: [N]; groups: [N] or [N, k] state keys; strata: [N] int codes of the form
+    verdicts. Returns r' [N].
+    """
+    n = signal.shape[0]
+    if form.shape != signal.shape or strata.shape[0] != n or groups.shape[0] != n:
+        raise ValueError(
+            f"signal and form must be [N] and groups, strata [N]; got {tuple(signal.shape)}, "
+            f"{tuple(form.shape)}, {tuple(groups.shape)} and {tuple(strata.shape)}"
+        )
+    content = signal - form
+    by_state = groups.reshape(n, -1).long()
+    by_form = torch.cat([by_state, strata.reshape(n, 1).long()], dim=1)
+    _, in_state = group_normalize(content, by_state, scale="none")
+    _, in_form = group_normalize(content, by_form, scale="none")
+    shift = torch.where(in_form.singleton, torch.zeros_like(content), in_form.mean - in_state.mean)
+    return signal - shift
+
+
 def clause_advantages(
     scores: Tensor,
     weights: Tensor,
@@ -687,6 +727,14 @@ class AdvantageConfig(StrictModel):
         "its turn-level group's, or batch normalisation's (docs/method.md#mapo).",
     )
     local_norm: Norm = Field(default_factory=Norm, description="Normalisation in local groups.")
+    form_clauses: list[str] = Field(
+        default_factory=list,
+        description="Clauses that judge a message's form for the diner (in the concierge "
+        "constitution T3, T4, T6: length and order). With any, a turn's content is compared "
+        "only with turns of the same form in its state group, and the form only by these "
+        "clauses (`form_judged`, docs/method.md#form-credit). Needs a turn's own reward as the "
+        "local signal (gamma 0, no outcome in the return, not 'clauses'). Default none.",
+    )
     global_signal: Literal["outcome", "return"] = Field(
         "outcome",
         description="What the global advantage normalises: the trajectory's outcome (GRPO), or "
@@ -771,6 +819,15 @@ class AdvantageConfig(StrictModel):
                 "local_signal 'clauses' normalises each turn's own verdicts: set gamma: 0 and "
                 "outcome_in_return: false"
             )
+        if self.form_clauses and (
+            self.local_signal == "clauses" or self.gamma or self.outcome_in_return
+        ):
+            raise ValueError(
+                "form_clauses splits each turn's own reward into form and content: use "
+                "local_signal 'reward' (or 'return' with gamma: 0 and outcome_in_return: false)"
+            )
+        if len(set(self.form_clauses)) != len(self.form_clauses):
+            raise ValueError(f"form_clauses names a clause twice: {self.form_clauses}")
         if self.replay_in_gradient and not self.use_buffer:
             raise ValueError("replay_in_gradient needs use_buffer: true")
         if self.kl_target is not None and not self.beta:
@@ -795,6 +852,8 @@ class StepBatch:
     local groups' statistics (a turn no clause applied to, or whose verdicts the GRM failed to
     give: no signal is not a zero). `clauses` ([N, C], NaN where a clause does not apply) and
     `clause_weight` ([C]) are the turn's per-clause verdicts, for `local_signal: clauses`.
+    `form_reward` ([N]) is the share of `local_reward` the config's `form_clauses` gave and
+    `form_key` ([N] int) codes the turn's verdicts on them, for `form_judged`.
     """
 
     local_reward: Tensor
@@ -809,6 +868,8 @@ class StepBatch:
     valid: Tensor | None = None
     clauses: Tensor | None = None
     clause_weight: Tensor | None = None
+    form_reward: Tensor | None = None
+    form_key: Tensor | None = None
 
     def __len__(self) -> int:
         return self.local_reward.shape[0]
@@ -901,7 +962,17 @@ def advantages(
             "turn_groups": turn_groups[has],
             "batch_groups": runs[has],
         }
-        sub, l_stats = local_advantages(signal[has], local_keys[has], **kw)
+        signal = signal[has]
+        if config.form_clauses:
+            if batch.form_reward is None or batch.form_key is None:
+                raise ValueError(
+                    "form_clauses needs each step's form share and form verdicts "
+                    "(StepBatch.form_reward and form_key); these samples carry none"
+                )
+            signal = form_judged(
+                signal, batch.form_reward[has], local_keys[has], batch.form_key[has]
+            )
+        sub, l_stats = local_advantages(signal, local_keys[has], **kw)
         if config.local_signal == "clauses":
             if batch.clauses is None or batch.clause_weight is None:
                 raise ValueError(
@@ -1141,9 +1212,18 @@ def describe(config: AdvantageConfig | str) -> str:
                 "             a turn without a local signal gets 0",
             ]
         else:
+            lines.append(f"  x_t      = {_signal_text(c, c.local_signal)}")
+            if c.form_clauses:
+                lines += [
+                    f"             = f_t + c_t,  f_t the share of {', '.join(c.form_clauses)} "
+                    "(the form)",
+                    "  x'_t     = x_t − (mean c over g's turns with t's form verdicts − mean c "
+                    "over g)",
+                    "             (x_t where no other turn of g has its form)",
+                ]
+            x = "x'" if c.form_clauses else "x"
             lines += [
-                f"  x_t      = {_signal_text(c, c.local_signal)}",
-                f"  A_local  = {_norm_text('x', 'g', c.local_norm)},  g = {group}",
+                f"  A_local  = {_norm_text(x, 'g', c.local_norm)},  g = {group}",
                 f"             a step alone in g gets {lone}; a turn without a local signal gets 0",
             ]
     else:

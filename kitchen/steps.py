@@ -84,6 +84,9 @@ class StepSamples:
         clauses       [N, C] the turn's verdict on each clause (+1 pass, −1 violate, NaN where
                       the clause does not apply), or None; `clause_weight` [C] their weights.
                       Only `local_signal: clauses` reads them (`mapo.clause_advantages`).
+        form_reward   the share of `local_reward` the config's `form_clauses` gave, and
+        form_key      [N] int code of the turn's verdicts on them, or None (both or neither):
+                      what `mapo.form_judged` reads
 
     Lists are coerced: `turn` to int64, rewards to float32, `valid` to bool (default all True),
     an int `version` to one per sample, `abstract` None to the exact key.
@@ -105,6 +108,8 @@ class StepSamples:
     run: Tensor | None = None
     clauses: Tensor | None = None
     clause_weight: Tensor | None = None
+    form_reward: Tensor | None = None
+    form_key: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.state)
@@ -143,6 +148,13 @@ class StepSamples:
                     f"{tuple(self.clause_weight.shape)}; got {tuple(self.clauses.shape)}"
                 )
             self.clauses = self.clauses.reshape(n, width)
+        if (self.form_reward is None) != (self.form_key is None):
+            raise ValueError("form_reward and form_key come together: give both or neither")
+        if self.form_reward is not None:
+            self.form_reward = torch.as_tensor(self.form_reward, dtype=torch.float32).reshape(-1)
+            self.form_key = torch.as_tensor(self.form_key, dtype=torch.long).reshape(-1)
+            if len(self.form_reward) != n or len(self.form_key) != n:
+                raise ValueError(f"form_reward and form_key need {n} entries each")
         m = int(self.tok_len.sum())
         if self.tokens.shape[0] != m or self.logp.shape[0] != m:
             raise ValueError(
@@ -163,7 +175,7 @@ class StepSamples:
             vals = [getattr(p, f.name) for p in parts]
             if f.name in ("state", "abstract", "task_group", "traj"):
                 out[f.name] = _cat_keys(vals)
-            elif f.name in ("run", "clauses"):
+            elif f.name in ("run", "clauses", "form_reward", "form_key"):
                 out[f.name] = None if any(v is None for v in vals) else torch.cat(vals)
             elif f.name == "clause_weight":
                 same = all(v is not None and torch.equal(v, vals[0]) for v in vals)
@@ -202,6 +214,8 @@ class StepSamples:
             valid=self.valid,
             clauses=self.clauses,
             clause_weight=self.clause_weight,
+            form_reward=self.form_reward,
+            form_key=self.form_key,
         )
 
 

@@ -640,9 +640,12 @@ def step_samples(
     untrainable turn still passes its reward back); `group_of(i)` is episode i's task group.
     With `clause_weights` (clause id → weight: the constitution's clauses, in a fixed order) the
     samples also carry each turn's verdict per clause (`StepSamples.clauses`), which
-    `local_signal: clauses` normalises."""
+    `local_signal: clauses` normalises. With `config.form_clauses`, each sample carries the
+    share of its local reward those clauses gave and a code of its verdicts on them
+    (`form_share`), which `mapo.form_judged` reads."""
     cols: dict[str, list] = {k: [] for k in ("state", "abstract", "group", "traj", "turn")}
     tokens, logp, local, ret, outcome, valid, verdicts = [], [], [], [], [], [], []
+    forms: list[tuple[float, int]] = []
     ids = list(clause_weights or {})
     for i, (t, rw) in enumerate(zip(trajs, rewards, strict=True)):
         if not t.turns:
@@ -663,6 +666,8 @@ def step_samples(
             if clause_weights is not None:
                 turn = rw.scores[ti.turn] if rw.scores and ti.turn < len(rw.scores) else {}
                 verdicts.append([turn.get(c, math.nan) for c in ids])
+            if config.form_clauses:
+                forms.append(form_share(rw, ti.turn, config.form_clauses))
     flat_tokens, tok_len = ragged(tokens, torch.long)
     clauses = None
     if clause_weights is not None:
@@ -684,7 +689,22 @@ def step_samples(
         version=version,
         clauses=clauses,
         clause_weight=None if clause_weights is None else list(clause_weights.values()),
+        form_reward=[f for f, _ in forms] if config.form_clauses else None,
+        form_key=[k for _, k in forms] if config.form_clauses else None,
     )
+
+
+def form_share(rw: EpisodeRewards, turn: int, form_clauses: Sequence[str]) -> tuple[float, int]:
+    """(the share of turn `turn`'s local reward that `form_clauses` gave, a code of its verdicts
+    on them): digit j of the code in base 3 is clause j's verdict (0 n/a, 1 pass, 2 violate).
+    A turn scored as a whole (flagged, truncated, an axiom vetoed) gives its form no share."""
+    share = rw.contributions[turn] if turn < len(rw.contributions) else {}
+    scores = rw.scores[turn] if rw.scores and turn < len(rw.scores) else {}
+    f = sum(share.get(c, 0.0) for c in form_clauses) if rw.valid[turn] else 0.0
+    code = sum(
+        3**j * {1.0: 1, -1.0: 2}.get(scores.get(c, 0.0), 0) for j, c in enumerate(form_clauses)
+    )
+    return f, code
 
 
 # --------------------------------------------------------------------------------------------
@@ -1548,6 +1568,8 @@ def file_problems(recipe: Recipe) -> list[Problem]:
                 "constitutions/concierge.yaml",
             )
         )
+    else:
+        out += form_clause_problems(recipe, c)
     models = [(("policy", "path"), recipe.policy.path)]
     if recipe.reward.reviewer == "grm" and not recipe.grm.adapter:
         models.append((("grm", "model"), recipe.grm.model))
@@ -1557,6 +1579,30 @@ def file_problems(recipe: Recipe) -> list[Problem]:
         except KitchenError as e:
             out += [recipe.problem(loc, p.message) for p in e.problems]
     return out
+
+
+def form_clause_problems(recipe: Recipe, constitution: Path) -> list[Problem]:
+    """`advantage.overrides.form_clauses` (and each arm's) naming a clause the constitution lacks."""
+    choices = {("advantage",): recipe.advantage} | {
+        ("compare", arm): choice for arm, choice in recipe.compare.items()
+    }
+    wanted = {loc: choice.overrides.get("form_clauses") for loc, choice in choices.items()}
+    wanted = {loc: ids for loc, ids in wanted.items() if isinstance(ids, list) and ids}
+    if not wanted:  # (a value of the wrong type is reported where the recipe loads)
+        return []
+    try:
+        known = set(load_constitution(constitution).clause_ids)
+    except KitchenError:
+        return []  # the constitution's own problems are reported where it loads
+    return [
+        recipe.problem(
+            (*loc, "overrides", "form_clauses"),
+            f"{c!r} is not a clause of {recipe.constitution}; it has {', '.join(sorted(known))}",
+        )
+        for loc, ids in wanted.items()
+        for c in ids
+        if c not in known
+    ]
 
 
 def cook_main(recipe_path: str | None, *, resume: str | None = None) -> int:

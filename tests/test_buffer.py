@@ -296,3 +296,30 @@ def test_clause_verdicts_round_trip_into_step_batches():
         buf.add(with_clauses(samples(["s"], traj=["d"]), [[1, 1]], weight=(1.0, 1.0)))
     with pytest.raises(KitchenError, match="infinite"):
         buf.add(with_clauses(samples(["s"], traj=["e"]), [[float("inf"), 1]]))
+
+
+def test_form_shares_round_trip_and_samples_without_them_read_a_form_of_their_own():
+    """Form shares and codes are stored per record, come back in `samples` and in `batch`'s
+    history, survive the columns' growth; a record added before any form reads share 0 and code
+    −1, and a non-finite share is refused at the sample."""
+    buf = ReplayBuffer(capacity=5000)
+    buf.add(samples(["s"], traj=["plain"]))
+    first = samples(["s", "t"], traj=["a", "b"])
+    first.form_reward, first.form_key = torch.tensor([0.25, -0.5]), torch.tensor([1, 5])
+    buf.add(first)
+    again = samples(["s"], traj=["c"], version=1)
+    again.form_reward, again.form_key = torch.tensor([0.1]), torch.tensor([2])
+    kept = buf.add(again)
+    batch = buf.batch(again, buf.history(again, exclude=kept))
+    assert batch.form_key.tolist() == [2, -1, 1]
+    assert_close(batch.form_reward, torch.tensor([0.1, 0.0, 0.25]))
+    for v in range(3000):  # grows the columns several times
+        add(buf, [f"x{v}"], traj=[f"x{v}"], version=1)
+    back = stored(buf)
+    assert back.form_key[:4].tolist() == [-1, 1, 5, 2] and (back.form_key[4:] == -1).all()
+    assert_close(back.form_reward[:4], torch.tensor([0.0, 0.25, -0.5, 0.1]))
+    assert buf.memory_per_record()["columns"] > ReplayBuffer().memory_per_record()["columns"]
+    bad = samples(["s"], traj=["e"])
+    bad.form_reward, bad.form_key = torch.tensor([float("nan")]), torch.tensor([1])
+    with pytest.raises(KitchenError, match="form_reward is nan"):
+        buf.add(bad)

@@ -282,3 +282,12 @@ def test_shipped_verl_config_passes_verls_own_validation():
     )
     assert kv.settings_from(cfg.algorithm).advantage.resolve().name == "mapo"
     assert cfg.trainer.v1.trainer_mode == "kitchen_sync"
+
+
+def test_form_clauses_are_refused_naming_what_verls_batch_lacks():
+    """`form_clauses` needs each turn's verdicts too: refused when verl's settings are read."""
+    from pydantic import ValidationError
+
+    node = {"advantage": {"preset": "mapo", "overrides": {"form_clauses": ["T3"]}}}
+    with pytest.raises(ValidationError, match="form_clauses needs each turn's per-clause"):
+        kv.settings_from({"kitchen": node})

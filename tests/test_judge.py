@@ -473,15 +473,16 @@ def test_bench_personal_advantage_per_form_and_recommendation_drift():
     )
     assert bench.recommendation_drift(["opening", "question"]) == (None, [])
 
-    def step(key, f, mean, lost, t3, valid=True):
+    def step(key, f, mean, lost, t3, valid=True, group="brief", share=None):
         return {
             "key": key,
-            "groups": ["brief"],
+            "groups": [group],
             "form": f,
             "reward": {"mean": mean, "violations": lost},
             "valid": {"mean": True, "violations": valid},
             "scores": {"T3": t3, "A1": 1.0},
             "weights": {"T3": 1.0, "A1": 3.0},
+            "form_share": (t3 / 4, 1 if t3 > 0 else 2) if share is None else share,
         }
 
     adv = bench.form_advantages(
@@ -504,6 +505,20 @@ def test_bench_personal_advantage_per_form_and_recommendation_drift():
     u = [0.577350 / 4, -1.154701 / 4, 0.0, 0.577350 / 4]
     sd = (sum(x * x for x in u) / 4 - (sum(u) / 4) ** 2) ** 0.5
     assert adv["clauses"][("brief", "recommend")] == pytest.approx(u[1] / sd, rel=1e-4)
+    # mean|form: state m holds two short turns (form share +0.25, content +0.5 and −0.5) and
+    # two long ones (−0.25; content 0.25, 0.75). The plain mean pays both forms 0; judged within
+    # form, r' = 1, 0, −0.25, 0.25 (std 0.540): the short form +0.25 / 0.540, the long −0.25 / 0.540
+    both = [
+        step("m", "short", 0.75, 0.0, 1.0, group="detailed"),
+        step("m", "short", -0.25, 0.0, 1.0, group="detailed"),
+        step("m", "recommend", 0.0, 0.0, -1.0, group="detailed"),
+        step("m", "recommend", 0.5, 0.0, -1.0, group="detailed"),
+    ]
+    adv = bench.form_advantages(both)
+    assert adv["mean"][("detailed", "short")] == pytest.approx(0.0, abs=1e-6)
+    sd = (0.875 / 3) ** 0.5
+    assert adv["mean|form"][("detailed", "short")] == pytest.approx(0.25 / sd, rel=1e-4)
+    assert adv["mean|form"][("detailed", "recommend")] == pytest.approx(-0.25 / sd, rel=1e-4)
 
 
 def test_bench_form_history_rewrites_and_probes(tmp_path):

@@ -772,3 +772,77 @@ def test_the_clause_signal_needs_per_turn_verdicts_and_its_own_reward():
     batch.clauses, batch.clause_weight = t(1, -1).reshape(2, 1), t(2)
     adv, metrics = mapo.advantages(batch, cfg)
     assert adv[0] > adv[1] and "group/clause_signal_frac" in metrics
+
+
+# --------------------------------------------------------------------------------------------
+# Form credit: content compared among turns of the same form
+
+
+def test_form_judged_by_hand():
+    """State 0 holds two short turns (form share +0.2, strata 1) and three long ones (−0.1,
+    strata 2); content is compared inside each form, the form share against the whole state.
+    State 1's lone turn keeps its reward (no other turn of its form)."""
+    r = t(0.2, -0.8, 0.9, 0.9, -0.1, 0.5)
+    f = t(0.2, 0.2, -0.1, -0.1, -0.1, 0.5)
+    state, form = g(0, 0, 0, 0, 0, 1), g(1, 1, 2, 2, 2, 7)
+    out = mapo.form_judged(r, f, state, form)
+    c = r - f
+    short_c, long_c, all_c = c[:2].mean(), c[2:5].mean(), c[:5].mean()
+    want = torch.cat([r[:2] - (short_c - all_c), r[2:5] - (long_c - all_c), r[5:]])
+    assert_close(out, want)
+    centred = out[:5] - out[:5].mean()
+    assert_close(
+        centred, (f[:5] - f[:5].mean()) + (c[:5] - torch.cat([short_c.expand(2), long_c.expand(3)]))
+    )
+
+
+def test_a_form_is_credited_by_its_own_clauses_only():
+    """Short turns pass the form clause (+1 share) but skip a check more often (content −1 in 3
+    of 4) than long ones (1 of 4): in the plain local advantage the short form earns less than
+    the long one; judged within form, it earns exactly what its clause says, and a skipped
+    check still costs inside each form."""
+    f = t(*[0.25] * 4, *[-0.25] * 4)
+    c = t(-0.75, -0.75, -0.75, 0.75, -0.75, 0.75, 0.75, 0.75)
+    r, state, form = f + c, torch.zeros(8, dtype=torch.long), g(*[1] * 4, *[2] * 4)
+    plain, _ = local_advantages(r, state)
+    judged, _ = local_advantages(mapo.form_judged(r, f, state, form), state)
+    assert plain[:4].mean() < plain[4:].mean()
+    assert judged[:4].mean() > judged[4:].mean()
+    assert_close(judged[:4].mean(), -judged[4:].mean())  # only the form share is left between them
+    assert judged[3] > judged[0] and judged[7] > judged[4]  # a kept check still pays
+
+
+def test_form_clauses_need_a_turns_own_reward_and_their_shares():
+    """form_clauses split one turn's reward: 'clauses', a discounted return and a doubled clause
+    are configuration errors; a batch without form shares is a clear error; with them, the
+    advantage is the plain one on the adjusted signal; `describe` shows the split."""
+    for bad, match in (
+        ({"local_signal": "clauses"}, "local_signal 'reward'"),
+        ({"gamma": 0.9}, "local_signal 'reward'"),
+        ({"form_clauses": ["T3", "T3"]}, "twice"),
+    ):
+        with pytest.raises(ValidationError, match=match):
+            mapo.preset("mapo", **({"form_clauses": ["T3"]} | bad))
+    cfg = mapo.preset(
+        "mapo", form_clauses=["T3"], use_buffer=False, alpha={"kind": "constant", "alpha0": 1.0}
+    )
+    batch = StepBatch(
+        local_reward=t(1.0, -1.0, 0.5, 0.0),
+        global_reward=t(0, 0, 0, 0),
+        ret=t(1.0, -1.0, 0.5, 0.0),
+        state=g(0, 0, 0, 0),
+        task_group=g(0, 0, 0, 0),
+        traj=g(0, 1, 2, 3),
+        turn=g(0, 0, 0, 0),
+    )
+    with pytest.raises(ValueError, match="form share"):
+        mapo.advantages(batch, cfg)
+    batch.form_reward, batch.form_key = t(0.5, 0.5, -0.5, -0.5), g(1, 1, 2, 2)
+    adv, _ = mapo.advantages(batch, cfg)
+    want, _ = local_advantages(
+        mapo.form_judged(batch.ret, batch.form_reward, batch.state, batch.form_key), batch.state
+    )
+    assert_close(adv, want)
+    text = mapo.describe(cfg)
+    assert "share of T3" in text and "x'" in text
+    assert "share of" not in mapo.describe("mapo")

@@ -146,3 +146,39 @@ def test_clause_verdicts_travel_with_the_samples_to_the_advantage():
         )
     with pytest.raises(ValueError, match="both or neither"):
         StepSamples(**{**vars(make(["s"], [0.0])), "clauses": torch.ones(1, 2)})
+
+
+def test_form_shares_travel_with_the_samples_to_the_advantage():
+    """StepSamples carry each turn's form share and form code; concat keeps them; through the
+    buffer, `form_clauses` judges the fresh rows' content against the history of the same form,
+    the same numbers as a StepBatch built by hand."""
+    a = make(["s", "s", "s"], [0.9, -0.5, 0.1])
+    a.form_reward, a.form_key = torch.tensor([0.2, 0.2, -0.2]), torch.tensor([1, 1, 2])
+    b = make(["s", "s"], [-0.3, 0.8], task="h", version=1)
+    b.form_reward, b.form_key = torch.tensor([0.2, -0.2]), torch.tensor([1, 2])
+    both = StepSamples.concat([a, b])
+    assert both.form_key.tolist() == [1, 1, 2, 1, 2]
+    cfg = mapo.preset("mapo", form_clauses=["T3"], alpha={"kind": "constant", "alpha0": 1.0})
+    buf = ReplayBuffer(BufferConfig())
+    advantages_for(a, cfg, buf, step=0)
+    scored = advantages_for(b, cfg, buf, step=1)
+    by_hand = StepBatch(
+        local_reward=torch.tensor([-0.3, 0.8, 0.9, -0.5, 0.1]),
+        global_reward=torch.zeros(5),
+        ret=torch.tensor([-0.3, 0.8, 0.9, -0.5, 0.1]),
+        state=torch.zeros(5, dtype=torch.long),
+        task_group=torch.tensor([1, 1, 0, 0, 0]),
+        traj=torch.arange(5),
+        turn=torch.zeros(5, dtype=torch.long),
+        fresh=torch.tensor([True, True, False, False, False]),
+        form_reward=torch.tensor([0.2, -0.2, 0.2, 0.2, -0.2]),
+        form_key=torch.tensor([1, 2, 1, 1, 2]),
+    )
+    want, _ = mapo.advantages(by_hand, cfg, step=1)
+    assert_close(scored.adv, want[:2])
+    plain, _ = mapo.advantages(by_hand, mapo.preset("mapo", alpha=cfg.alpha), step=1)
+    assert not torch.allclose(want, plain)  # the form strata change the numbers
+    with pytest.raises(ValueError, match="both or neither"):
+        StepSamples(**{**vars(make(["s"], [0.0])), "form_reward": [0.1]})
+    with pytest.raises(ValueError, match="1 entries each"):
+        StepSamples(**{**vars(make(["s"], [0.0])), "form_reward": [0.1, 0.2], "form_key": [1, 1]})

@@ -19,6 +19,7 @@ from kitchen.train import (
     Recipe,
     Run,
     cook,
+    file_problems,
     latest_checkpoint,
     load_recipe,
     load_run_policy,
@@ -649,3 +650,43 @@ def test_truncated_turns_train_with_the_worst_local_reward_or_not_at_all(concier
     drop = episode_rewards(trajs, reviews, pcs, RewardConfig(reviewer="judge", truncated="drop"))
     assert drop[0].local[1] != -1.0
     assert make_samples(trajs, drop, cfg, lambda i: i).turn.tolist() == [0]
+
+
+def test_a_run_with_form_clauses_splits_every_turns_reward_into_form_and_content(runs_dir):
+    """`form_clauses`: each stored step sample carries the share of its local reward the form
+    clauses gave (their contributions) and the code of its verdicts on them (base 3: 0 n/a,
+    1 pass, 2 violate); the update moves the adapter. A clause the constitution lacks is a
+    located problem before anything loads."""
+    from kitchen.review import clause_scores, turn_rewards
+
+    form = ["T3", "T4", "T6"]
+    over = {"beta": 0.02, "state_key": "abstract", "form_clauses": form}
+    run = Run(tiny_recipe("form", advantage={"overrides": over}), progress=False)
+    before = lora_state(run.model)
+    run.step()
+    after = lora_state(run.model)
+    assert sum((after[k] - before[k]).abs().sum().item() for k in before) > 0
+    stored = run.buffer.samples(run.buffer.rows())
+    row = {
+        (k, t): i for i, (k, t) in enumerate(zip(stored.traj, stored.turn.tolist(), strict=True))
+    }
+    checked, codes = 0, set()
+    for traj, review, pc in zip(
+        run.last["trajectories"], run.last["reviews"], run.last["pcs"], strict=True
+    ):
+        _, valid, contrib = turn_rewards(review, pc)
+        for t, scores in enumerate(clause_scores(review, pc)):
+            if (traj.id, t) not in row:
+                continue
+            i = row[traj.id, t]
+            share = sum(contrib[t].get(c, 0.0) for c in form) if valid[t] else 0.0
+            digits = [{1.0: 1, -1.0: 2}.get(scores.get(c, 0.0), 0) for c in form]
+            assert stored.form_reward[i].item() == pytest.approx(share, abs=1e-6)
+            assert stored.form_key[i].item() == sum(3**j * d for j, d in enumerate(digits))
+            codes.add(stored.form_key[i].item())
+            checked += 1
+    assert checked >= 8 and len(codes) >= 2
+    bad = tiny_recipe("form-bad", advantage={"overrides": over | {"form_clauses": ["T3", "T99"]}})
+    problems = file_problems(bad)
+    assert len(problems) == 1 and "'T99' is not a clause" in problems[0].message
+    assert problems[0].where == "advantage.overrides.form_clauses"

@@ -113,11 +113,18 @@ class VerlSettings(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> VerlSettings:
-        if self.advantage.resolve().local_signal == "clauses":
+        cfg = self.advantage.resolve()
+        if cfg.local_signal == "clauses":
             raise ValueError(
                 "advantage local_signal 'clauses' needs each turn's per-clause verdicts, which "
                 "verl's batch does not carry (one reward per turn); use 'return' or 'reward' "
                 "with verl, or train with kitchen's loop or TRL"
+            )
+        if cfg.form_clauses:
+            raise ValueError(
+                "advantage form_clauses needs each turn's per-clause verdicts, which verl's "
+                "batch does not carry (one reward per turn); leave it out with verl, or train "
+                "with kitchen's loop or TRL"
             )
         return self
 
