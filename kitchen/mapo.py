@@ -341,7 +341,8 @@ def form_judged(signal: Tensor, form: Tensor, groups: Tensor, strata: Tensor) ->
     where it skips steps earns less in every state group it shares, and the push lands on the
     form as much as on the skipped step (docs/method.md#form-credit). It is a baseline that
     depends on part of the action, so the form no longer learns from content at all: that is
-    the point.
+    the point, and its cost — a failing every turn of a form shares is absorbed by the
+    stratum's mean. Measured on the main job it did not help (docs/method.md#form-credit).
 
     signal, form: [N]; groups: [N] or [N, k] state keys; strata: [N] int codes of the form
     verdicts. Returns r' [N].
