@@ -79,6 +79,7 @@ def first_action(turns: list[Turn]) -> str:
 
 
 MODES = ("mean", "violations", "clauses", "mean|form")
+VALID = {"mean": "mean", "violations": "violations", "clauses": "mean", "mean|form": "mean"}
 FORM_CLAUSES = ("T3", "T4", "T6")  # `advantage.overrides.form_clauses` for "mean|form"
 RECS = ("short", "recommend")
 
@@ -93,13 +94,13 @@ def form_advantages(steps: list[dict]) -> dict[str, dict[tuple[str, str], float]
 
     `steps`: one dict per assistant turn — `key` (abstract state key), `groups`, `form`, and per
     mode in "mean"/"violations" the turn's `reward` and `valid`, plus `scores` (clause id →
-    verdict, ±1) and `weights` (clause id → weight) for "clauses", and `form` (the form
+    verdict, ±1) and `weights` (clause id → weight) for "clauses", and `form_share` (the form
     clauses' share of the mean reward, the code of their verdicts) for "mean|form"."""
     weights = {c: w for s in steps for c, w in s["weights"].items()}
     ids = sorted(weights)
     out: dict[str, dict[tuple[str, str], float]] = {}
     for mode in MODES:
-        rows = [s for s in steps if s["valid"][mode.split("|")[0].replace("clauses", "mean")]]
+        rows = [s for s in steps if s["valid"][VALID[mode]]]  # the turns with that signal
         if not rows:
             continue
         keys = encode([s["key"] for s in rows])

@@ -289,8 +289,9 @@ class ReplayBuffer:
         return samples.clauses
 
     def _form_rows(self, samples: StepSamples) -> dict[str, Tensor]:
-        """The samples' `form_reward` and `form_key` columns, creating them at the first add
-        that has them; samples without them read form 0 and key −1 (a form of their own)."""
+        """The `form_key` column of the samples (their `form_reward` goes in with the rewards),
+        creating both columns at the first add that has them; samples without them read form 0
+        and key −1 (a form of their own)."""
         n = len(samples)
         if "form_reward" not in self._col:
             self._col["form_reward"] = torch.zeros(self._alloc, dtype=torch.float32)
@@ -300,7 +301,7 @@ class ReplayBuffer:
                 "form_reward": torch.zeros(n, dtype=torch.float32),
                 "form_key": torch.full((n,), -1, dtype=torch.long),
             }
-        return {"form_reward": samples.form_reward, "form_key": samples.form_key}
+        return {"form_key": samples.form_key}
 
     def _check_finite(self, floats, flat_lp, lp_len, traj_keys, turns) -> None:
         for name, v in floats.items():

@@ -473,7 +473,7 @@ def test_bench_personal_advantage_per_form_and_recommendation_drift():
     )
     assert bench.recommendation_drift(["opening", "question"]) == (None, [])
 
-    def step(key, f, mean, lost, t3, valid=True, group="brief", share=None):
+    def step(key, f, mean, lost, t3, valid=True, group="brief"):
         return {
             "key": key,
             "groups": [group],
@@ -482,7 +482,7 @@ def test_bench_personal_advantage_per_form_and_recommendation_drift():
             "valid": {"mean": True, "violations": valid},
             "scores": {"T3": t3, "A1": 1.0},
             "weights": {"T3": 1.0, "A1": 3.0},
-            "form_share": (t3 / 4, 1 if t3 > 0 else 2) if share is None else share,
+            "form_share": (t3 / 4, 1 if t3 > 0 else 2),  # T3's weight is a quarter
         }
 
     adv = bench.form_advantages(
