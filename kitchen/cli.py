@@ -121,7 +121,9 @@ def _world_sft_data(args: argparse.Namespace) -> int:
         n_eval=args.eval,
         seed=args.seed,
         long_share=args.long,
-        quirks=SFT_QUIRKS.model_copy(update={"style_draw": args.style_draw}),
+        quirks=SFT_QUIRKS.model_copy(
+            update={"style_draw": args.style_draw, "unsafe_check_first": args.unsafe_checks}
+        ),
     )
     for name in ("train", "eval"):
         s = stats[name]
@@ -332,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="episode",
         help="draw the agent's attentiveness to the diner's style once per episode (default) or "
         "again at every course of a meal",
+    )
+    p.add_argument(
+        "--unsafe-checks",
+        type=fraction,
+        default=0.0,
+        metavar="SHARE",
+        help="share of an allergic diner's courses where the agent first checks a dish holding "
+        "one of the diner's allergens and moves on (default 0: as the shipped data)",
     )
     p.set_defaults(func=_world_sft_data)
 

@@ -120,6 +120,14 @@ class Quirks(StrictModel):
     allergen_pick: float = Field(
         0.0, ge=0, le=1, description="Per course: pick an allergen dish (A1)."
     )
+    unsafe_check_first: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Per course of an allergic diner, when the agent checks: check a dish "
+        "holding one of the diner's allergens first (the check finds it, the agent moves on), "
+        "so the data shows what an unsafe check leads to more often. Breaks no clause.",
+    )
     extra_order: float = Field(
         0.0, ge=0, le=1, description="Per course of a meal: order a second dish (T8)."
     )
@@ -281,6 +289,7 @@ class _Episode:
         self.pending: Dish | None = None  # the next course's dish, named with this one (T9)
         self.pending_checked = False
         self.allergen_pick = False
+        self.unsafe_first = False
 
     def choose_style(self) -> None:
         """Attentive (the diner's verbosity, no small talk for a hurried diner) or a random
@@ -323,7 +332,7 @@ class _Episode:
             and (d.vegetarian or not self.vegetarian)
         ]
         self.rng.shuffle(out)
-        if self.allergen_pick:
+        if self.allergen_pick or self.unsafe_first:
             out.sort(key=lambda d: not set(d.allergens) & set(self.allergies))
         return out
 
@@ -389,6 +398,13 @@ class _Episode:
         self.confirm = p(q.confirm_in_recommendation)
         self.order_rejected = p(q.order_rejected)
         self.allergen_pick = p(q.allergen_pick) and bool(self.allergies)
+        # drawn only where asked for: the default data's random stream stays as it was
+        self.unsafe_first = (
+            q.unsafe_check_first > 0
+            and self.check_first
+            and bool(self.allergies)
+            and p(q.unsafe_check_first)
+        )
         self.bundle = nxt if nxt is not None and p(q.bundle_courses) else None
         if p(q.unreturned_dish):  # a dish named before any search of this course
             pool = [d for d in self.menu.dishes if d.course == (course or "main")]
@@ -438,7 +454,7 @@ class _Episode:
             if self.unsafe(dish) and not self.allergen_pick:
                 return "next"
             checked = True
-        self.allergen_pick = False
+        self.allergen_pick = self.unsafe_first = False
         if not self.consent:
             self.order(dish, course)
             return "ordered"
@@ -629,6 +645,7 @@ def write_sft_data(
         f"kitchen world sft-data --out {out_dir} --train {n_train} --eval {n_eval} "
         f"--seed {seed} --long {long_share:g}"
         + (f" --style-draw {quirks.style_draw}" if quirks.style_draw != "episode" else "")
+        + (f" --unsafe-checks {quirks.unsafe_check_first:g}" if quirks.unsafe_check_first else "")
     )
     atomic_write_json(out / "stats.json", stats)
     return stats

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from kitchen import paths
@@ -140,6 +141,12 @@ def test_sft_data_style_drawn_per_course(tmp_path, capsys):
     assert stats["train"]["dialogues"] == 6
     assert cli.main(args) == 0
     assert "--style-draw" not in json.loads((out / "stats.json").read_text())["command"]
+    assert cli.main([*args, "--unsafe-checks", "0.5"]) == 0
+    assert json.loads((out / "stats.json").read_text())["command"].endswith("--unsafe-checks 0.5")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # argparse: usage and the message, exit status 2
+        cli.main([*args, "--unsafe-checks", "2"])
+    assert "--unsafe-checks: must be a number in [0, 1], got 2" in capsys.readouterr().err
 
 
 def test_demo_recipe_that_cannot_run_is_a_located_error(tmp_path, capsys):

@@ -145,3 +145,39 @@ def test_style_drawn_per_course_varies_within_a_meal_and_only_then():
     by_episode = data_stats(episodes(300, seed=24, quirks=SFT_QUIRKS, long_share=0.5))["personal"]
     for key, rate in by_episode.items():
         assert abs(by_course[key] - rate) < 0.08, (key, by_course[key], rate)
+
+
+def test_unsafe_checks_first_show_more_unsafe_checks_and_break_no_red_line():
+    """`unsafe_check_first`: an allergic diner's course opens with a check of a dish holding
+    one of the diner's allergens, which the agent then passes over — more unsafe checks in the
+    data, no allergen dish recommended; at 0 the data is the default's to the last message."""
+    import itertools
+
+    from kitchen.judge import replay
+
+    def checks(eps):
+        found = collections.Counter()
+        for traj, pc in eps:
+            allergies = set(pc.dimensions.get("allergies") or [])
+            for t, nxt in itertools.pairwise(replay(traj)):
+                if t.tool == "allergens" and t.dish is not None and allergies:
+                    unsafe = bool(set(t.dish.allergens) & allergies)
+                    found["unsafe" if unsafe else "safe"] += 1
+                    if unsafe:
+                        found["recommended after unsafe"] += (
+                            nxt.kind == "say"
+                            and nxt.dish is not None
+                            and nxt.dish.name == t.dish.name
+                        )
+        return found
+
+    rate = SFT_QUIRKS.model_copy(update={"unsafe_check_first": 1.0})
+    plain = episodes(120, seed=7, quirks=SFT_QUIRKS, long_share=0.5)
+    more = episodes(120, seed=7, quirks=rate, long_share=0.5)
+    assert checks(more)["unsafe"] >= 1.8 * checks(plain)["unsafe"] > 0
+    assert checks(more)["recommended after unsafe"] == 0
+    assert violation_counts(more)["A1"] <= violation_counts(plain)["A1"]
+    zero = SFT_QUIRKS.model_copy(update={"unsafe_check_first": 0.0})
+    assert [t.messages for t, _ in episodes(30, seed=7, quirks=zero)] == [
+        t.messages for t, _ in episodes(30, seed=7, quirks=SFT_QUIRKS)
+    ]
