@@ -351,6 +351,12 @@ def _split(trajs, pcs, kind: str):
 HELD_OUT_VERSION = 1  # raise it when a change to the code that plays or judges episodes lands
 
 
+def _full_model(name: str, where: str | Path) -> bool:
+    """Whether `where` is a whole model to load as it is (the SFT policy, or another SFT
+    checkpoint played as an arm) rather than a training run or one of its checkpoints."""
+    return name == "sft" or (Path(where) / "model.safetensors").exists()
+
+
 def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> tuple[str, int]:
     """What a policy's held-out episodes depend on: the evaluation settings, the held-out jobs
     themselves (tasks, personal constitutions, diners), the weights it plays with (the SFT
@@ -363,7 +369,7 @@ def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> tuple[str, int
     for task, pc, values in jobs:
         job = [task.model_dump(mode="json"), pc.model_dump(mode="json"), values]
         h.update(json.dumps(job, sort_keys=True, default=str).encode())
-    if name == "sft":
+    if _full_model(name, where):
         folder = Path(where)
     else:
         run, folder = run_checkpoint(where)
@@ -395,7 +401,7 @@ def _play_held_out(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if name == "sft":
+        if _full_model(name, where):
             policy = load_model(ModelSpec(path=where))
             policy[0].eval()
         else:
@@ -417,8 +423,8 @@ def held_out(
     cache: str | os.PathLike | None = None,
     unguarded: Collection[str] = (),
 ) -> tuple[dict[str, Any], dict[str, dict[str, list]]]:
-    """Every policy (name → the SFT checkpoint for "sft", a run folder or one of its checkpoints
-    for the others) on the same held-out jobs and seeds, `parallel` policies at a time in worker
+    """Every policy (name → the SFT checkpoint for "sft"; a run folder, one of its checkpoints
+    or another whole model for the others) on the same held-out jobs and seeds, `parallel` policies at a time in worker
     processes (one torch thread each; every episode is seeded, so the result does not depend on
     it), with the guard for the RL ones but those in `unguarded`; per task kind: reports, win
     rates vs "sft" and personalisation. A `cache`

@@ -240,6 +240,12 @@ def test_held_out_episodes_are_kept_and_replayed_only_when_their_key_changes(tmp
     cfg = EvalConfig(tasks=2, samples=1, long_share=0.5, bootstrap=100)
     first, eps = demo.held_out(sft, cfg, progress=False, parallel=1, cache=tmp_path / "kept")
     assert (tmp_path / "kept" / "sft.json").exists()
+    # another whole model (a cold start, not a run) plays as an arm: the same weights, the same
+    # seeded episodes, every judged score tied
+    arms, _ = demo.held_out({**sft, "copy": model}, cfg, progress=False, parallel=1)
+    assert {kind: arms["copy"][kind]["win_rate_vs_sft"][0] for kind in arms["copy"]} == {
+        kind: 0.5 for kind in first["sft"]
+    }
 
     def no_play(*a, **k):
         raise AssertionError("played again")
