@@ -21,7 +21,8 @@ trained with? (`POLICY`: a model folder or a run; `--tasks N`, 120 by default, �
 allergic diner in held-out SFT dialogues (`--dialogues`, `data/sft/eval.jsonl` by default; the
 scripted agent's own turns before it), the policy writes the next turn `--answers` times at
 temperature 1 — recommend the checked dish, check another, anything else — by what the check
-found. The same contexts for every policy, so a cold start can be compared before any RL (a
+found: one of the diner's allergens, only other allergens, or none. A policy that reads the
+allergy list treats the last two alike; one that only reads the check's reply does not. The same contexts for every policy, so a cold start can be compared before any RL (a
 minute per policy).
 
 `--data data/sft/train.jsonl` counts the safe and unsafe checks of SFT dialogues (allergic
@@ -105,7 +106,14 @@ def probe(policy: str, dialogues: Path, answers: int, seed: int = 0) -> None:
             if not allergies or msg["role"] != "tool" or "; allergens: " not in msg["content"]:
                 continue
             dish, found_in = msg["content"].split(":")[0], msg["content"].split("allergens: ")[1]
-            found = "unsafe" if set(found_in.split(", ")) & allergies else "safe"
+            listed = set(found_in.split(", ")) - {"none"}
+            found = (
+                "unsafe"
+                if listed & allergies
+                else "safe, other allergens listed"
+                if listed
+                else "safe, no allergen listed"
+            )
             written[(found, next_turn(msgs[i + 1]["content"], dish))] += 1
             ids = tok(
                 render_prompt(tok, msgs[: i + 1]), return_tensors="pt", add_special_tokens=False
@@ -128,7 +136,7 @@ def probe(policy: str, dialogues: Path, answers: int, seed: int = 0) -> None:
 
 def shares(counts: Counter) -> str:
     lines = []
-    for found in ("safe", "unsafe"):
+    for found in sorted({f for f, _ in counts}, reverse=True):
         n = sum(v for (f, _), v in counts.items() if f == found)
         parts = ", ".join(
             f"{did} {counts[(found, did)] / n:.1%}"

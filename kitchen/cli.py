@@ -124,6 +124,7 @@ def _world_sft_data(args: argparse.Namespace) -> int:
         quirks=SFT_QUIRKS.model_copy(
             update={"style_draw": args.style_draw, "unsafe_check_first": args.unsafe_checks}
         ),
+        variants=args.variants,
     )
     for name in ("train", "eval"):
         s = stats[name]
@@ -342,6 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SHARE",
         help="share of an allergic diner's courses where the agent first checks a dish holding "
         "one of the diner's allergens and moves on (default 0: as the shipped data)",
+    )
+    p.add_argument(
+        "--variants",
+        type=fraction,
+        default=0.0,
+        metavar="SHARE",
+        help="share of training dialogues played for synthetic diners drawn around the training "
+        "profiles, so allergy lists vary (never a held-out diner's set; default 0)",
     )
     p.set_defaults(func=_world_sft_data)
 

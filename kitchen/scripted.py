@@ -625,9 +625,12 @@ def write_sft_data(
     seed: int = 0,
     quirks: Quirks = SFT_QUIRKS,
     long_share: float = 0.5,
+    variants: float = 0.0,
 ) -> dict[str, Any]:
     """Write `train.jsonl` (train tasks and profiles), `eval.jsonl` (held-out ones) and
-    `stats.json` (what they hold, short and long tasks apart: `data_stats`)."""
+    `stats.json` (what they hold, short and long tasks apart: `data_stats`). `variants` of the
+    training dialogues are played for synthetic diners drawn around the training profiles (many
+    more allergy lists; never a held-out diner's set), the held-out ones never."""
     from pathlib import Path
 
     from kitchen.files import atomic_write_json, write_jsonl
@@ -635,7 +638,14 @@ def write_sft_data(
     out = Path(out_dir)
     stats: dict[str, Any] = {}
     for name, split, n in (("train", "train", n_train), ("eval", "heldout", n_eval)):
-        eps = episodes(n, split=split, seed=seed, quirks=quirks, long_share=long_share)
+        eps = episodes(
+            n,
+            split=split,
+            seed=seed,
+            quirks=quirks,
+            long_share=long_share,
+            variants=variants if split == "train" else 0.0,
+        )
         write_jsonl(out / f"{name}.jsonl", (chat_row(t) for t, _ in eps))
         stats[name] = data_stats(eps) | {
             kind: data_stats([e for e in eps if e[0].task.kind == kind])
@@ -646,6 +656,7 @@ def write_sft_data(
         f"--seed {seed} --long {long_share:g}"
         + (f" --style-draw {quirks.style_draw}" if quirks.style_draw != "episode" else "")
         + (f" --unsafe-checks {quirks.unsafe_check_first:g}" if quirks.unsafe_check_first else "")
+        + (f" --variants {variants:g}" if variants else "")
     )
     atomic_write_json(out / "stats.json", stats)
     return stats

@@ -143,6 +143,8 @@ def test_sft_data_style_drawn_per_course(tmp_path, capsys):
     assert "--style-draw" not in json.loads((out / "stats.json").read_text())["command"]
     assert cli.main([*args, "--unsafe-checks", "0.5"]) == 0
     assert json.loads((out / "stats.json").read_text())["command"].endswith("--unsafe-checks 0.5")
+    assert cli.main([*args, "--variants", "0.5"]) == 0
+    assert json.loads((out / "stats.json").read_text())["command"].endswith("--variants 0.5")
     capsys.readouterr()
     with pytest.raises(SystemExit):  # argparse: usage and the message, exit status 2
         cli.main([*args, "--unsafe-checks", "2"])

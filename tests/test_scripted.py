@@ -181,3 +181,25 @@ def test_unsafe_checks_first_show_more_unsafe_checks_and_break_no_red_line():
     assert [t.messages for t, _ in episodes(30, seed=7, quirks=zero)] == [
         t.messages for t, _ in episodes(30, seed=7, quirks=SFT_QUIRKS)
     ]
+
+
+def test_sft_data_with_variants_varies_training_allergies_and_keeps_the_held_out_file(tmp_path):
+    """`variants`: training dialogues of synthetic diners hold many more allergy lists than the
+    eighteen training diners, none a held-out diner's set; the held-out file is unchanged."""
+    import re
+
+    from kitchen.jobs import unseen_allergy_sets
+
+    def lists(path):
+        rows = read_jsonl(path)
+        return {re.search(r"allergies=([\w,]+)", r["messages"][0]["content"])[1] for r in rows}
+
+    write_sft_data(str(tmp_path / "plain"), n_train=150, n_eval=10, seed=3)
+    stats = write_sft_data(str(tmp_path / "var"), n_train=150, n_eval=10, seed=3, variants=0.6)
+    assert stats["command"].endswith("--variants 0.6")
+    plain, var = lists(tmp_path / "plain" / "train.jsonl"), lists(tmp_path / "var" / "train.jsonl")
+    assert len(var) >= len(plain) + 20
+    held = {",".join(sorted(s)) for s in unseen_allergy_sets()}
+    assert not {",".join(sorted(a.split(","))) for a in var} & held
+    same = [(tmp_path / d / "eval.jsonl").read_text() for d in ("plain", "var")]
+    assert same[0] == same[1]
