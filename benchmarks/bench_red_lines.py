@@ -22,8 +22,9 @@ allergic diner in held-out SFT dialogues (`--dialogues`, `data/sft/eval.jsonl` b
 scripted agent's own turns before it), the policy writes the next turn `--answers` times at
 temperature 1 — recommend the checked dish, check another, anything else — by what the check
 found: one of the diner's allergens, only other allergens, or none. A policy that reads the
-allergy list treats the last two alike; one that only reads the check's reply does not. The same contexts for every policy, so a cold start can be compared before any RL (a
-minute per policy).
+allergy list treats the last two alike; one that only reads the check's reply does not. The
+same contexts for every policy, so a cold start can be compared before any RL (about two
+minutes per policy on one core).
 
 `--data data/sft/train.jsonl` counts the safe and unsafe checks of SFT dialogues (allergic
 diners), and `--samples runs/<run>/samples.jsonl` averages the local reward of a training run's

@@ -424,10 +424,10 @@ def held_out(
     unguarded: Collection[str] = (),
 ) -> tuple[dict[str, Any], dict[str, dict[str, list]]]:
     """Every policy (name → the SFT checkpoint for "sft"; a run folder, one of its checkpoints
-    or another whole model for the others) on the same held-out jobs and seeds, `parallel` policies at a time in worker
-    processes (one torch thread each; every episode is seeded, so the result does not depend on
-    it), with the guard for the RL ones but those in `unguarded`; per task kind: reports, win
-    rates vs "sft" and personalisation. A `cache`
+    or another whole model for the others) on the same held-out jobs and seeds, `parallel`
+    policies at a time in worker processes (one torch thread each; every episode is seeded, so
+    the result does not depend on it), with the guard for the RL ones but those in
+    `unguarded`; per task kind: reports, win rates vs "sft" and personalisation. A `cache`
     folder keeps every policy's episodes (`<name>.json`), so a rerun plays only what changed.
     Returns (results by name, trajectories by name and variant)."""
     cache = Path(cache) if cache else None
