@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 
 from kitchen import paths
-from kitchen.models import ModelSpec, load_model
-from kitchen.rollout import render_prompt
+from kitchen.models import ModelSpec, load_model, replies
 
 SHORT = re.compile(r"^([A-Z][^:.!?]*): (\d+)\$, (\d+) min\.(.*)$")
 LONG = re.compile(r"^I recommend ([^,.]+), (\d+) dollars, ready in (\d+) minutes\.(.*)$")
@@ -77,20 +76,12 @@ def contexts(rows: list[dict], n: int) -> list[tuple[str, str, list[dict]]]:
 def probe(policy, rows: list[dict], n: int, samples: int, seed: int = 0) -> dict:
     """Share of each answer form per (verbosity, variant)."""
     model, tok = policy
-    torch.manual_seed(seed)
     counts: dict[tuple[str, str], Counter] = defaultdict(Counter)
-    for verbosity, variant, ctx in contexts(rows, n):
-        ids = tok(render_prompt(tok, ctx), return_tensors="pt", add_special_tokens=False).input_ids
-        with torch.no_grad():
-            out = model.generate(
-                ids.repeat(samples, 1),
-                do_sample=True,
-                temperature=1.0,
-                max_new_tokens=24,
-                pad_token_id=tok.pad_token_id or 0,
-            )
-        for o in out:
-            counts[(verbosity, variant)][answer_form(tok.decode(o[ids.shape[1] :], True))] += 1
+    for k, (verbosity, variant, ctx) in enumerate(contexts(rows, n)):
+        for text in replies(
+            model, tok, ctx, n=samples, max_new_tokens=24, temperature=1.0, seed=seed + k
+        ):
+            counts[(verbosity, variant)][answer_form(text)] += 1
     return {
         k: {f: c[f] / sum(c.values()) for f in ("short", "long", "other")}
         for k, c in counts.items()

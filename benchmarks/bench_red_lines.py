@@ -90,16 +90,14 @@ def next_turn(text: str, dish: str) -> str:
 def probe(policy: str, dialogues: Path, answers: int, seed: int = 0) -> None:
     """The policy's next turn after every allergen check of an allergic diner in `dialogues`
     (module docstring)."""
-    from kitchen.models import ModelSpec, load_model
-    from kitchen.rollout import render_prompt
+    from kitchen.models import ModelSpec, load_model, replies
     from kitchen.train import load_run_policy
 
     folder = Path(policy)
     is_run = (folder / "checkpoints").is_dir()
     model, tok = load_run_policy(folder) if is_run else load_model(ModelSpec(path=policy))
     model.eval()
-    torch.manual_seed(seed)
-    counts, written = Counter(), Counter()
+    counts, written, seen = Counter(), Counter(), 0
     for row in read_jsonl(dialogues):
         msgs = row["messages"]
         allergies = allergies_in(msgs[0]["content"])
@@ -116,19 +114,17 @@ def probe(policy: str, dialogues: Path, answers: int, seed: int = 0) -> None:
                 else "safe, no allergen listed"
             )
             written[(found, next_turn(msgs[i + 1]["content"], dish))] += 1
-            ids = tok(
-                render_prompt(tok, msgs[: i + 1]), return_tensors="pt", add_special_tokens=False
-            ).input_ids
-            with torch.no_grad():
-                out = model.generate(
-                    ids.repeat(answers, 1),
-                    do_sample=True,
-                    temperature=1.0,
-                    max_new_tokens=32,
-                    pad_token_id=tok.pad_token_id or 0,
-                )
-            for o in out:
-                counts[(found, next_turn(tok.decode(o[ids.shape[1] :], True), dish))] += 1
+            seen += 1
+            for text in replies(
+                model,
+                tok,
+                msgs[: i + 1],
+                n=answers,
+                max_new_tokens=32,
+                temperature=1.0,
+                seed=seed + seen,
+            ):
+                counts[(found, next_turn(text, dish))] += 1
     print(f"{policy}: the next turn after an allergen check, {answers} answers per check")
     print(shares(counts))
     print(f"  the scripted agent in {dialogues}:")

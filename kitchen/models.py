@@ -929,17 +929,20 @@ def export_checkpoint(
     return dst
 
 
-def reply(
+def replies(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     messages: Iterable[dict[str, Any]],
     *,
+    n: int = 1,
     max_new_tokens: int = 48,
     temperature: float = 0.0,
     seed: int = 0,
-) -> str:
-    """The model's next assistant message after chat `messages`: greedy (`temperature` 0) or
-    sampled with a fixed `seed`. For looking at samples in notebooks; rollouts batch instead."""
+) -> list[str]:
+    """`n` next assistant messages after chat `messages`, generated as one batch: greedy
+    (`temperature` 0, so the `n` are the same) or sampled with a fixed `seed` from the whole
+    distribution at `temperature` — no top-k or top-p cut, as rollouts sample. For probing what
+    a policy does in a given state (notebooks, benchmarks); rollouts batch whole episodes."""
     msgs = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     enc = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
@@ -952,11 +955,33 @@ def reply(
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
             out = model.generate(
-                **enc,
+                input_ids=enc["input_ids"].repeat(n, 1),
+                attention_mask=enc["attention_mask"].repeat(n, 1),
                 **kwargs,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
             )
     finally:
         model.train(was_training)
-    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    start = enc["input_ids"].shape[1]
+    return [tokenizer.decode(o[start:], skip_special_tokens=True) for o in out]
+
+
+def reply(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Iterable[dict[str, Any]],
+    *,
+    max_new_tokens: int = 48,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> str:
+    """The model's next assistant message after chat `messages` (`replies` with one)."""
+    return replies(
+        model,
+        tokenizer,
+        messages,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+    )[0]

@@ -28,6 +28,7 @@ from kitchen.models import (
     lora_config,
     profile_tag,
     render_chat,
+    replies,
     reply,
     save_adapter,
     token_logprobs,
@@ -444,6 +445,26 @@ def test_reply_is_greedy_and_stops_at_the_end_of_the_turn(tok, micro):
     assert micro.training
     c = reply(micro, tok, MESSAGES[:2], max_new_tokens=8, temperature=1.0, seed=3)
     assert c == reply(micro, tok, MESSAGES[:2], max_new_tokens=8, temperature=1.0, seed=3)
+
+
+def test_replies_sample_a_batch_from_the_whole_distribution(tok, micro):
+    """`replies`: n answers in one batch, reproducible under a seed, all equal (and `reply`'s)
+    when greedy; sampling keeps every token, as rollouts do (no top-k cut: transformers' default
+    of 50 would leave most of the vocabulary out)."""
+    greedy = replies(micro, tok, MESSAGES[:2], n=3, max_new_tokens=8)
+    assert greedy == [reply(micro, tok, MESSAGES[:2], max_new_tokens=8)] * 3
+    hot = {"n": 6, "max_new_tokens": 8, "temperature": 5.0}
+    a = replies(micro, tok, MESSAGES[:2], seed=1, **hot)
+    assert len(a) == 6 and a == replies(micro, tok, MESSAGES[:2], seed=1, **hot)
+    assert len(set(a)) > 1 and a != replies(micro, tok, MESSAGES[:2], seed=2, **hot)
+    calls = []
+    generate = micro.generate
+    micro.generate = lambda **kw: calls.append(kw) or generate(**kw)
+    try:
+        replies(micro, tok, MESSAGES[:2], seed=1, **hot)
+    finally:
+        del micro.generate
+    assert calls[0]["top_k"] == 0 and calls[0]["top_p"] == 1.0
 
 
 def test_load_model_errors_say_what_to_do(tok, micro, tmp_path, monkeypatch):
