@@ -339,18 +339,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--unsafe-checks",
         type=fraction,
-        default=0.0,
+        default=1.0,
         metavar="SHARE",
         help="share of an allergic diner's courses where the agent first checks a dish holding "
-        "one of the diner's allergens and moves on (default 0: as the shipped data)",
+        "one of the diner's allergens and moves on (default 1, as the shipped data)",
     )
     p.add_argument(
         "--variants",
         type=fraction,
-        default=0.0,
+        default=0.5,
         metavar="SHARE",
         help="share of training dialogues played for synthetic diners drawn around the training "
-        "profiles, so allergy lists vary (never a held-out diner's set; default 0)",
+        "profiles, so allergy lists vary (never a held-out diner's set; default 0.5, as the "
+        "shipped data)",
     )
     p.set_defaults(func=_world_sft_data)
 

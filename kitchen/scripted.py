@@ -659,8 +659,7 @@ def write_sft_data(
         f"kitchen world sft-data --out {out_dir} --train {n_train} --eval {n_eval} "
         f"--seed {seed} --long {long_share:g}"
         + (f" --style-draw {quirks.style_draw}" if quirks.style_draw != "episode" else "")
-        + (f" --unsafe-checks {quirks.unsafe_check_first:g}" if quirks.unsafe_check_first else "")
-        + (f" --variants {variants:g}" if variants else "")
+        + f" --unsafe-checks {quirks.unsafe_check_first:g} --variants {variants:g}"
     )
     atomic_write_json(out / "stats.json", stats)
     return stats

@@ -137,14 +137,15 @@ def test_sft_data_style_drawn_per_course(tmp_path, capsys):
     args = ["world", "sft-data", "--out", str(out), "--train", "6", "--eval", "2"]
     assert cli.main([*args, "--style-draw", "course"]) == 0
     stats = json.loads((out / "stats.json").read_text())
-    assert stats["command"].endswith("--style-draw course")
+    assert "--style-draw course --unsafe-checks 1 --variants 0.5" in stats["command"]
     assert stats["train"]["dialogues"] == 6
     assert cli.main(args) == 0
-    assert "--style-draw" not in json.loads((out / "stats.json").read_text())["command"]
-    assert cli.main([*args, "--unsafe-checks", "0.5"]) == 0
-    assert json.loads((out / "stats.json").read_text())["command"].endswith("--unsafe-checks 0.5")
-    assert cli.main([*args, "--variants", "0.5"]) == 0
-    assert json.loads((out / "stats.json").read_text())["command"].endswith("--variants 0.5")
+    command = json.loads((out / "stats.json").read_text())["command"]
+    assert "--style-draw" not in command
+    assert command.endswith("--unsafe-checks 1 --variants 0.5")  # the shipped data's defaults
+    assert cli.main([*args, "--unsafe-checks", "0.25", "--variants", "0"]) == 0
+    command = json.loads((out / "stats.json").read_text())["command"]
+    assert command.endswith("--unsafe-checks 0.25 --variants 0")
     capsys.readouterr()
     with pytest.raises(SystemExit):  # argparse: usage and the message, exit status 2
         cli.main([*args, "--unsafe-checks", "2"])
