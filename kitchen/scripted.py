@@ -35,10 +35,12 @@ Rates of the generic SFT agent (`SFT_QUIRKS`) and why:
   ordered), never picks an allergen dish, and never orders beyond the request (T8): a cold start
   should not teach red lines. An unchecked recommendation can still hit an allergen (A1) — the
   mistake T1 exists to prevent.
-- `unsafe_check_first` is 0: about one check in six of an allergic diner finds an allergen. At 1
-  (`kitchen world sft-data --unsafe-checks 1`) every such course opens with one, which the agent
-  passes over — data for a policy that has to learn what an unsafe check means
-  (docs/method.md#cold-start; measured, not shipped).
+- `unsafe_check_first` is 0 here (the GRM's review data plays this agent too): about one check
+  in six of an allergic diner finds an allergen. The shipped SFT data sets it to 1 (`kitchen
+  world sft-data`'s default `--unsafe-checks 1`): every such course opens with one, which the
+  agent passes over — data for a policy that has to learn what an unsafe check means
+  (docs/method.md#cold-start). That command also plays half its training dialogues for
+  synthetic diners (`--variants 0.5`, `write_sft_data(variants=)`), so allergy lists vary.
 
 The same agent with higher quirk rates (`GRM_QUIRKS`) and deliberate breaches — asking for a phone
 number, naming a dish no tool returned, ordering a rejected dish, picking an allergen dish,
