@@ -5,6 +5,7 @@ Not a test (timings depend on the machine; ratios from one run are what counts).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grm.py --threads 1      # 48 dialogues
     .venv/bin/python benchmarks/bench_grm.py --n 96 --batch 32 --grm data/models/grm-tiny
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grm.py --threads 1 --batch 32 --lookahead
 
 On the shipped tiny GRM, over the same held-out dialogues (scripted, both agents, `--long` of them
 meals), greedy and structure-constrained as `GRM.review` runs by default:
@@ -21,6 +22,19 @@ meals), greedy and structure-constrained as `GRM.review` runs by default:
 It prints reviews/s, the ratios, each mode's agreement with the rule judge on decided cells, and
 how far the engine is from its arithmetic limit (the FLOPs of reading every prompt token once and
 writing every review token, over the measured matmul throughput).
+
+`--lookahead` asks whether speculative decoding would pay on this machine: review lines copy much
+from their prompt (a dish's facts, the structure of the line before), so a draft of the next k
+tokens looked up in the conversation so far (prompt lookup: the tokens that followed the last
+earlier occurrence of the newest 3 tokens) would often be right, and the model could check k
+drafted tokens in one forward. It records the engine's review completions, replays them to count
+the tokens one such forward would accept on average (exact for greedy decoding), times a forward
+of k + 1 tokens per row against a one-token decode step on a cache as wide as a review's, and
+prints the projected decode speedup (tokens per forward over the forward's relative cost).
+Measured on this 2-core machine (2026-12-05): 1.52 tokens per forward with one drafted token,
+2.26 with eight, but a forward of 2 tokens per row costs 2.54 decode steps and one of 9, 4.92
+(attention reads every key once per query on a CPU, and transformers repeats the grouped K/V
+heads for more than one query), so the projection is 0.60x and 0.46x: not built.
 """
 
 from __future__ import annotations
@@ -95,6 +109,101 @@ def gflops() -> float:
     return 2 * 256 * 512 * 512 * 40 / (time.perf_counter() - t) / 1e9
 
 
+def prompt_lookup(context: list[int], k: int, n: int = 3) -> list[int]:
+    """The k tokens that followed the last earlier occurrence of `context`'s newest m tokens
+    (m = n, then shorter), or none."""
+    for m in range(min(n, len(context) - 1), 0, -1):
+        tail = context[-m:]
+        for s in range(len(context) - m - 1, -1, -1):
+            if context[s : s + m] == tail:
+                return context[s + m : s + m + k]
+    return []
+
+
+def tokens_per_forward(records: list[tuple[list[int], list[int]]], k: int) -> float:
+    """Greedy decoding with k drafted tokens per forward: tokens written per forward."""
+    forwards = tokens = 0
+    for prompt, gen in records:
+        context, i = list(prompt), 0
+        while i < len(gen):
+            draft, took = prompt_lookup(context, k), 0
+            while took < len(draft) and i + took < len(gen) and draft[took] == gen[i + took]:
+                took += 1
+            took = min(took + 1, len(gen) - i)  # the accepted drafts and the model's own token
+            context += gen[i : i + took]
+            i, forwards = i + took, forwards + 1
+        tokens += len(gen)
+    return tokens / max(forwards, 1)
+
+
+def forward_ms(grm: GRM, rows: int, width: int, q: int, repeats: int = 10) -> float:
+    """Milliseconds of one engine forward feeding q tokens to each of `rows` rows whose caches
+    hold `width` tokens."""
+    from kitchen.engine import Engine, RaggedCache
+
+    engine = Engine(grm.model, max_rows=rows)
+    cache = RaggedCache(engine.layers)
+    cache.add_rows(rows)
+    cache.reserve(width + q + 1)
+    vocab = engine.vocab
+    with torch.inference_mode():
+        cols = torch.arange(width)[None].expand(rows, width)
+        engine._forward(cache, torch.randint(0, vocab, (rows, width)), cols, width)
+        ids = torch.randint(0, vocab, (rows, q))
+        cols = (width + torch.arange(q))[None].expand(rows, q)
+        engine._forward(cache, ids, cols, width + q)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            engine._forward(cache, ids, cols, width + q)
+    return (time.perf_counter() - t) / repeats * 1000
+
+
+def review_completions(grm: GRM, trajs, pcs) -> list[tuple[list[int], list[int]]]:
+    """`grm.review(trajs, pcs)`, recording every review line the engine writes: (its prompt's
+    token ids, the line's token ids)."""
+    from kitchen import engine as engine_module
+
+    records: list[tuple[list[int], list[int]]] = []
+    serve = engine_module.Engine.serve
+
+    def recording(self, requests, params, on_done, **kw):
+        prompts = {r.key: list(r.prompt) for r in requests}
+
+        def done(key, completion):
+            records.append((prompts[key], list(completion.tokens)))
+            nxt = on_done(key, completion)
+            if nxt is not None:
+                prompts[key] = list(nxt[0])
+            return nxt
+
+        return serve(self, requests, params, done, **kw)
+
+    engine_module.Engine.serve = recording
+    try:
+        grm.review(trajs, pcs)
+    finally:
+        engine_module.Engine.serve = serve
+    return records
+
+
+def lookahead(grm: GRM, trajs, pcs) -> None:
+    """Would prompt-lookup speculative decoding speed the review up here? (module docstring)"""
+    records = review_completions(grm, trajs, pcs)
+    width = round(sum(len(p) + len(g) for p, g in records) / len(records))
+    rows = min(grm.cfg.batch_size, 32)
+    one = forward_ms(grm, rows, width, 1)
+    print(
+        f"\nlookahead: {len(records)} review lines, {sum(len(g) for _, g in records)} tokens; "
+        f"one decode step ({rows} rows, {width} cached tokens each): {one:.1f} ms"
+    )
+    print("\n| k drafted | tokens per forward | forward cost (decode steps) | projected speedup |")
+    print("|---:|---:|---:|---:|")
+    for k in (1, 2, 4, 8):
+        gain = tokens_per_forward(records, k)
+        cost = forward_ms(grm, rows, width, k + 1) / one
+        print(f"| {k} | {gain:.2f} | {cost:.2f} | {gain / cost:.2f}x |")
+
+
 def timed(fn):
     w, c = time.perf_counter(), time.process_time()
     out = fn()
@@ -110,6 +219,9 @@ def main() -> None:
     ap.add_argument("--long", type=float, default=0.5, help="share of long (meal) dialogues")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-per-clause", action="store_true", help="skip the per-clause mode")
+    ap.add_argument(
+        "--lookahead", action="store_true", help="only: would speculative decoding pay here?"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,6 +238,9 @@ def main() -> None:
     turns = sum(len(t.turns) for t in trajs) / len(trajs)
     load0 = os.getloadavg()[0]
     grm.review(trajs[:2], pcs[:2])  # warm-up: first-call overheads (the engine's self-check)
+    if args.lookahead:
+        lookahead(grm, trajs, pcs)
+        return
 
     fast, w_fast, c_fast = timed(lambda: grm.review(trajs, pcs))
     texts = [t[0] for t in grm.last_text]

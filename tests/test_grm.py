@@ -245,3 +245,27 @@ def test_verdict_tensor_codes():
     t = verdict_tensor([r], ["A1", "T3", "T5"])
     assert t.shape == (1, 2, 3)
     assert t[0, 0].tolist() == [1.0, -1.0, 0.0] and t[0, 1].isnan().all()
+
+
+def test_bench_grm_lookahead_counts_what_a_draft_would_save(stand_in, dialogues):
+    """benchmarks/bench_grm.py --lookahead: prompt lookup drafts what followed the newest tokens'
+    last earlier occurrence; a draft that matches is accepted whole, one that does not costs its
+    forward; and the recorded completions are the GRM's review lines."""
+    from tests.conftest import load_benchmark
+
+    bench = load_benchmark("bench_grm")
+    assert bench.prompt_lookup([5, 6, 7, 9, 5, 6, 7], k=2) == [9, 5]
+    assert bench.prompt_lookup([1, 2, 3], k=4) == []  # nothing recurs: no draft
+    # the line repeats the prompt: after the first token every forward takes a draft of 3 and
+    # the model's own token (4 tokens), so 9 tokens take 1 + 2 = 3 forwards
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert bench.tokens_per_forward([(prompt, [1, 2, 3, 4, 5, 6, 7, 8, 9])], k=3) == 3.0
+    assert bench.tokens_per_forward([(prompt, [11, 12, 13])], k=3) == 1.0  # never right
+    model, tok = stand_in
+    grm = GRM(model, tok, GRMConfig(batch_size=4))
+    trajs, pcs = [t for t, _ in dialogues[:2]], [pc for _, pc in dialogues[:2]]
+    assert bench.forward_ms(grm, rows=2, width=16, q=3, repeats=1) > 0
+    records = bench.review_completions(grm, trajs, pcs)
+    assert len(records) == sum(len(t.turns) for t in trajs)
+    lines = sorted(tok.decode(g, skip_special_tokens=True).strip() for _, g in records)
+    assert lines == sorted(x for text in grm.last_text for x in text[0].split("\n"))
