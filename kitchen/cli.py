@@ -112,19 +112,22 @@ def _constitution_schema(args: argparse.Namespace) -> int:
 
 
 def _world_sft_data(args: argparse.Namespace) -> int:
-    from kitchen.scripted import SFT_QUIRKS, write_sft_data
+    from kitchen.scripted import SHIPPED_SFT_QUIRKS, SHIPPED_VARIANTS, write_sft_data
 
     _folder_to_write("--out", args.out)
+    unsafe = (
+        SHIPPED_SFT_QUIRKS.unsafe_check_first if args.unsafe_checks is None else args.unsafe_checks
+    )
     stats = write_sft_data(
         args.out,
         n_train=args.train,
         n_eval=args.eval,
         seed=args.seed,
         long_share=args.long,
-        quirks=SFT_QUIRKS.model_copy(
-            update={"style_draw": args.style_draw, "unsafe_check_first": args.unsafe_checks}
+        quirks=SHIPPED_SFT_QUIRKS.model_copy(
+            update={"style_draw": args.style_draw, "unsafe_check_first": unsafe}
         ),
-        variants=args.variants,
+        variants=SHIPPED_VARIANTS if args.variants is None else args.variants,
     )
     for name in ("train", "eval"):
         s = stats[name]
@@ -339,19 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--unsafe-checks",
         type=fraction,
-        default=1.0,
+        default=None,
         metavar="SHARE",
         help="share of an allergic diner's courses where the agent first checks a dish holding "
-        "one of the diner's allergens and moves on (default 1, as the shipped data)",
+        "one of the diner's allergens and moves on (default: the shipped data's, 1)",
     )
     p.add_argument(
         "--variants",
         type=fraction,
-        default=0.5,
+        default=None,
         metavar="SHARE",
         help="share of training dialogues played for synthetic diners drawn around the training "
-        "profiles, so allergy lists vary (never a held-out diner's set; default 0.5, as the "
-        "shipped data)",
+        "profiles, so allergy lists vary (never a held-out diner's set; default: the shipped "
+        "data's, 0.5)",
     )
     p.set_defaults(func=_world_sft_data)
 

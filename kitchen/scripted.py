@@ -39,8 +39,9 @@ Rates of the generic SFT agent (`SFT_QUIRKS`) and why:
   in six of an allergic diner finds an allergen. The shipped SFT data sets it to 1 (`kitchen
   world sft-data`'s default `--unsafe-checks 1`): every such course opens with one, which the
   agent passes over — data for a policy that has to learn what an unsafe check means
-  (docs/method.md#cold-start). That command also plays half its training dialogues for
-  synthetic diners (`--variants 0.5`, `write_sft_data(variants=)`), so allergy lists vary.
+  (docs/method.md#cold-start). That data also plays half its training dialogues for synthetic
+  diners (`--variants 0.5`), so allergy lists vary: `SHIPPED_SFT_QUIRKS` and `SHIPPED_VARIANTS`,
+  the defaults of `write_sft_data` and of the command.
 
 The same agent with higher quirk rates (`GRM_QUIRKS`) and deliberate breaches — asking for a phone
 number, naming a dish no tool returned, ordering a rejected dish, picking an allergen dish,
@@ -140,6 +141,12 @@ class Quirks(StrictModel):
 
 
 SFT_QUIRKS = Quirks()
+#: The shipped SFT data (`data/sft`): the SFT agents with every allergic diner's course opening
+#: with an unsafe check (the GRM's review data plays `SFT_QUIRKS` itself, so that stays 0), and
+#: half the training dialogues played for synthetic diners. `write_sft_data` and `kitchen world
+#: sft-data` write it by default.
+SHIPPED_SFT_QUIRKS = SFT_QUIRKS.model_copy(update={"unsafe_check_first": 1.0})
+SHIPPED_VARIANTS = 0.5
 #: For GRM training data: every clause is broken often enough to learn what a violation looks like.
 GRM_QUIRKS = Quirks(
     skip_allergen_check=0.4,
@@ -629,14 +636,15 @@ def write_sft_data(
     n_train: int = 4000,
     n_eval: int = 200,
     seed: int = 0,
-    quirks: Quirks = SFT_QUIRKS,
+    quirks: Quirks = SHIPPED_SFT_QUIRKS,
     long_share: float = 0.5,
-    variants: float = 0.0,
+    variants: float = SHIPPED_VARIANTS,
 ) -> dict[str, Any]:
     """Write `train.jsonl` (train tasks and profiles), `eval.jsonl` (held-out ones) and
     `stats.json` (what they hold, short and long tasks apart: `data_stats`). `variants` of the
     training dialogues are played for synthetic diners drawn around the training profiles (many
-    more allergy lists; never a held-out diner's set), the held-out ones never."""
+    more allergy lists; never a held-out diner's set), the held-out ones never. The defaults
+    write the shipped data's kind (`SHIPPED_SFT_QUIRKS`, `SHIPPED_VARIANTS`)."""
     from pathlib import Path
 
     from kitchen.files import atomic_write_json, write_jsonl

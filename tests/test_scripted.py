@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import json
 
+from kitchen import paths
 from kitchen.files import read_jsonl
 from kitchen.judge import judge
 from kitchen.scripted import GRM_QUIRKS, IDEAL_QUIRKS, SFT_QUIRKS, episodes, write_sft_data
@@ -52,6 +54,10 @@ def test_write_sft_data(tmp_path):
     assert roles == {"system", "user", "assistant", "tool"}
     assert all(set(m) == {"role", "content"} for r in rows for m in r["messages"])
     assert len(list(read_jsonl(tmp_path / "eval.jsonl"))) == 10
+    # called with its defaults it writes the shipped data's kind, as the CLI does
+    shipped = json.loads((paths.DATA / "sft" / "stats.json").read_text())["command"]
+    flags = " --unsafe-checks 1 --variants 0.5"
+    assert stats["command"].endswith(flags) and shipped.endswith(flags)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,7 +200,7 @@ def test_sft_data_with_variants_varies_training_allergies_and_keeps_the_held_out
         rows = read_jsonl(path)
         return {re.search(r"allergies=([\w,]+)", r["messages"][0]["content"])[1] for r in rows}
 
-    write_sft_data(str(tmp_path / "plain"), n_train=150, n_eval=10, seed=3)
+    write_sft_data(str(tmp_path / "plain"), n_train=150, n_eval=10, seed=3, variants=0.0)
     stats = write_sft_data(str(tmp_path / "var"), n_train=150, n_eval=10, seed=3, variants=0.6)
     assert stats["command"].endswith("--variants 0.6")
     plain, var = lists(tmp_path / "plain" / "train.jsonl"), lists(tmp_path / "var" / "train.jsonl")

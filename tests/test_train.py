@@ -690,3 +690,22 @@ def test_a_run_with_form_clauses_splits_every_turns_reward_into_form_and_content
     problems = file_problems(bad)
     assert len(problems) == 1 and "'T99' is not a clause" in problems[0].message
     assert problems[0].where == "advantage.overrides.form_clauses"
+
+
+def test_bench_nb05_changes_one_field_and_says_which_is_wrong():
+    """benchmarks/bench_nb05.py: `--set key=value` changes a dotted recipe field (values read as
+    YAML), the run length and held-out size are set, an α schedule spans the run, and a field the
+    recipe lacks or a malformed change is a KitchenError that names it."""
+    from tests.conftest import load_benchmark
+
+    bench = load_benchmark("bench_nb05")
+    recipe = load_recipe(paths.RECIPES / "tiny_mapo.yaml")
+    out = bench.changed(recipe, ["train.lr=1e-3", "reward.reviewer=judge"], 5, 12)
+    assert out.train.lr == 1e-3 and out.reward.reviewer == "judge"
+    assert out.train.iterations == 5 and out.eval.tasks == 12
+    assert out.advantage.overrides["alpha"]["steps"] == 5
+    assert recipe.train.lr != 1e-3  # the original is untouched
+    with pytest.raises(KitchenError, match="no field nope.lr"):
+        bench.changed(recipe, ["nope.lr=1"], 5, 12)
+    with pytest.raises(KitchenError, match="expected key=value"):
+        bench.changed(recipe, ["train.lr"], 5, 12)
