@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
 import tempfile
 import time
 
@@ -99,7 +100,7 @@ def main() -> None:
     except (KitchenError, ValueError) as e:  # a pydantic ValidationError is a ValueError
         raise SystemExit(f"bench_nb05: {e}") from None
     run = Run(recipe, folder=tempfile.mkdtemp(prefix="bench-nb05-"), progress=False)
-    print(f"command: python benchmarks/bench_nb05.py {' '.join('--set ' + c for c in args.set)}")
+    print("command: python benchmarks/bench_nb05.py", *sys.argv[1:])
     print(f"  before: {reading(run.evaluate())}", flush=True)
     if args.iterations < 1:
         return
