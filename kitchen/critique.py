@@ -399,11 +399,16 @@ def _cuisine(t: Any, traj: Trajectory) -> str:
     return "cuisine asked" if t.cuisine_told else "cuisine unasked"
 
 
-def turn_facts(traj: Trajectory, pc: Any = None, menu: Menu | None = None) -> dict[int, str]:
+def turn_facts(
+    traj: Trajectory, pc: Any = None, menu: Menu | None = None, *, with_length: bool = True
+) -> dict[int, str]:
     """The critique of every assistant turn: what it did and the facts its clauses turn on.
 
     `pc` (the personal constitution) gives the diner's allergies; without it, the trajectory's
-    system message is not parsed and allergies read as none. Phrases, in this order where they
+    system message is not parsed and allergies read as none. `with_length=False` leaves the
+    message's length out of the line (the agent turn's tag in the prompt still carries it, and
+    the review cascade can decide T3 and T6 by code): a shorter line, fewer tokens to write per
+    review. Phrases, in this order where they
     apply (the GRM is trained to write exactly these):
 
     - search: `search <cuisine>`, `nothing found`, `cuisine named|asked|unasked` (T5);
@@ -446,7 +451,7 @@ def turn_facts(traj: Trajectory, pc: Any = None, menu: Menu | None = None) -> di
                 parts = [f"order {t.dish.name}", *_dish_facts(t, allergies)]
                 parts += [_returned(t), _refused(t.dish.name, t), _agreed(t.dish.name, t)]
         else:
-            words = length(t.text, pc)
+            words = [length(t.text, pc)] if with_length else []
             before = "rec before" if t.recommended_before else "no rec yet"
             if t.dish is not None and t.dish.name not in t.agreed:
                 parts = [f"recommend {t.dish.name}", *_dish_facts(t, allergies)]
@@ -455,10 +460,10 @@ def turn_facts(traj: Trajectory, pc: Any = None, menu: Menu | None = None) -> di
                     parts.append("mixed courses" if mixed else "one course")
                 parts.append(_returned(t))
                 parts.append(_refused(t.dish.name, t))
-                parts += ["rec before" if t.recommended_before else "first rec", words]
+                parts += ["rec before" if t.recommended_before else "first rec", *words]
                 parts += [f"also names {d.name}" for d in t.named[1:3]]
             elif t.dish is not None:
-                parts = [f"confirm {t.dish.name}", _returned(t), before, words]
+                parts = [f"confirm {t.dish.name}", _returned(t), before, *words]
             else:
                 if asks_pii(t.text):
                     what = "ask personal details"
@@ -468,7 +473,7 @@ def turn_facts(traj: Trajectory, pc: Any = None, menu: Menu | None = None) -> di
                     what = "ask cuisine"
                 else:
                     what = "chat"
-                parts = [what, _cuisine(t, traj), before, words]
+                parts = [what, _cuisine(t, traj), before, *words]
             if REJECT_RE.match(t.reply):
                 parts.append("diner refuses")
             elif AGREE_RE.match(t.reply):

@@ -74,6 +74,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("kitchen.grm")
 
 
+def without_clauses(pc: PersonalConstitution, ids: Iterable[str]) -> PersonalConstitution:
+    """`pc` without the clauses `ids` (the GRM's `rule_only`): what the GRM is shown, in review
+    and in its training data alike."""
+    hide = set(ids)
+    if not hide & set(pc.ids):
+        return pc
+    return pc.model_copy(update={"clauses": [c for c in pc.clauses if c.id not in hide]})
+
+
 class GRMConfig(StrictModel):
     """How the GRM reviews. Defaults suit the shipped tiny GRM on a CPU."""
 
@@ -156,6 +165,14 @@ class GRMConfig(StrictModel):
         "serve uses generate, with the reason logged.",
     )
     seed: int = Field(0, description="Seeds sampled reviews (temperature > 0).")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Precision the GRM reviews in. auto (default): bfloat16 on a CUDA GPU that "
+        "supports it, float32 elsewhere (`ModelSpec.dtype`). bfloat16 on a CPU halves the "
+        "bytes attention reads for every token written, which is what bounds a review there: "
+        "faster where the CPU computes in bfloat16 natively (AMX), slower where it does not, "
+        "and a few lines may differ.",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,7 +256,7 @@ class GRM:
         path = cfg.model
         if not path.startswith("/") and (paths.HOME / path).exists():
             path = str(paths.HOME / path)
-        model, tok = load_model(ModelSpec(path=path))
+        model, tok = load_model(ModelSpec(path=path, dtype=cfg.dtype))
         model.eval()
         return cls(model, tok, cfg)
 
@@ -271,10 +288,7 @@ class GRM:
 
     def shown(self, pc: PersonalConstitution) -> PersonalConstitution:
         """The personal constitution as the GRM reads it: without the `rule_only` clauses."""
-        hide = set(self.cfg.rule_only)
-        if not hide & set(pc.ids):
-            return pc
-        return pc.model_copy(update={"clauses": [c for c in pc.clauses if c.id not in hide]})
+        return without_clauses(pc, self.cfg.rule_only)
 
     def review_with_samples(
         self, trajectories: Sequence[Trajectory], pcs: Sequence[PersonalConstitution]

@@ -524,14 +524,17 @@ def example_row(
     last: int | None = None,
     rendering: dict[str, Any] | None = None,
     clause_text: str = "compact",
+    line_length: bool = True,
 ) -> dict[str, Any]:
     """One SFT row `{"messages": [system, user, assistant, user, assistant, ...]}`: the review of
     turns `first..last` as a conversation, each agent turn followed by the line the GRM should
-    write about it (`kitchen.critique`)."""
+    write about it (`kitchen.critique`; `line_length`: whether a line restates the message's
+    length)."""
     users = review_turns(
         traj, pc, first=first, last=last, clause_text=clause_text, **(rendering or {})
     )
-    lines = format_lines(review, turn_facts(traj, pc), first=first, last=last)
+    facts = turn_facts(traj, pc, with_length=line_length)
+    lines = format_lines(review, facts, first=first, last=last)
     return {"messages": conversation(users, lines), "trajectory": traj.id}
 
 
@@ -544,6 +547,7 @@ def rows(
     augment: float,
     max_window: int,
     clause_text: str = "compact",
+    line_length: bool = True,
 ) -> list[dict[str, Any]]:
     """The training rows of one example: the whole dialogue, or — with probability `augment`,
     and always when it has more than `max_window` turns — consecutive windows in the compact
@@ -552,7 +556,7 @@ def rows(
     if n == 0:
         return []
     if n <= max_window and rng.random() >= augment:
-        return [example_row(traj, pc, review, clause_text=clause_text)]
+        return [example_row(traj, pc, review, clause_text=clause_text, line_length=line_length)]
     out, first = [], 0
     while first < n:
         size = rng.randint(max(1, min(max_window, n) // 2), max(1, min(max_window, n)))
@@ -566,6 +570,7 @@ def rows(
                 last=last,
                 rendering=RENDERINGS[-1],
                 clause_text=clause_text,
+                line_length=line_length,
             )
         )
         first = last + 1
@@ -705,6 +710,13 @@ class GRMDataSettings(StrictModel):
         "dish that holds the diner's allergen) among the ~12 other edits; 0 (the recipes before "
         "stage 7) never draws it.",
     )
+    line_length: bool = Field(
+        True,
+        description="Whether a review line restates the message's length beside the diner's "
+        "limits (`31 words max 30`). False: the agent turn's tag still shows it, the line does "
+        "not — about 4 of a line's ~34 tokens saved; a GRM trained so judges T3 and T6 from "
+        "the tag (or the review cascade decides them by code).",
+    )
     policy: str | None = Field(
         None,
         description="A policy checkpoint whose rollouts on training tasks join the pool (e.g. "
@@ -758,7 +770,7 @@ def write_grm_data(
     """
     from tqdm.auto import tqdm
 
-    from kitchen.grm import GRMConfig
+    from kitchen.grm import GRMConfig, without_clauses
 
     review = review or GRMConfig()
     s = settings
@@ -782,6 +794,8 @@ def write_grm_data(
             )
         else:
             examples = pool(s.n_eval, split, s.seed + 1, s.mix, long_share=s.long_share)
+        # the GRM never sees its `rule_only` clauses (`GRM.shown`): nor does its data
+        examples = [(t, without_clauses(pc, review.rule_only), src) for t, pc, src in examples]
         reviews = [
             judge(t, pc)
             for t, pc, _ in tqdm(examples, desc=f"judge {name} pool", disable=not progress)
@@ -794,7 +808,7 @@ def write_grm_data(
         chosen = [(examples[i], reviews[i]) for i in keep]
         if name == "train" and labels is not None:
             for tid, traj in labels.trajectories.items():
-                pc = labels.constitutions[tid]
+                pc = without_clauses(labels.constitutions[tid], review.rule_only)
                 rev = with_labels(judge(traj, pc), labels.for_trajectory(tid))
                 chosen.append(((traj, pc, "human-labelled"), rev))
         out_rows = []
@@ -807,6 +821,7 @@ def write_grm_data(
                 augment=s.augment if name == "train" else 0.0,
                 max_window=review.max_window_turns,
                 clause_text=review.clause_text,
+                line_length=s.line_length,
             )
         write_jsonl(out / f"{name}.jsonl", out_rows)
         if name == "eval":

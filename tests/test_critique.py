@@ -94,6 +94,25 @@ def test_length_verdicts_follow_from_the_length_phrase_alone(dialogues):
     assert all(seen[c, x] > 0 for c in ("T3", "T6") for x in ("pass", "violate")), seen
 
 
+def test_a_line_without_the_length_keeps_every_other_fact_and_the_tag_keeps_the_length(dialogues):
+    """`with_length=False` (the short review language): the line loses exactly its length phrase,
+    the tag the GRM reads still carries it, and every other verdict still follows from the line."""
+    dropped = 0
+    for traj, pc in dialogues:
+        full, short = turn_facts(traj, pc), turn_facts(traj, pc, with_length=False)
+        users = review_turns(traj, pc)
+        assert full.keys() == short.keys()
+        for k, line in full.items():
+            m = re.search(r"; (\d+ words max \d+(?: min \d+)?)", line)
+            if m is None:
+                assert short[k] == line
+                continue
+            dropped += 1
+            assert short[k] == line.replace(m.group(0), "") and "words" not in short[k]
+            assert m.group(1) in users[k]
+    assert dropped > 50
+
+
 def test_facts_name_the_allergen_hit_and_the_missing_check(dialogues):
     """The critique of a recommendation says which of the diner's allergens the dish holds, and
     whether it was checked — what A1 and T1 turn on."""

@@ -248,6 +248,44 @@ def test_write_grm_data_writes_both_splits_and_the_mix(tmp_path):
     assert edited  # near misses and adversarial samples made it into the mix
 
 
+def test_short_lines_leave_the_length_to_the_tag(tmp_path):
+    """`line_length: false` writes the same dialogues (same seed) with lines that never restate
+    a length while the prompts still tag it; the verdicts the lines carry are unchanged."""
+    base = dict(n_train=12, n_eval=4, seed=5, pool_factor=1.5, labels=None, long_share=0.5)
+    write_grm_data(tmp_path / "full", GRMDataSettings(**base), progress=False)
+    write_grm_data(tmp_path / "short", GRMDataSettings(**base, line_length=False), progress=False)
+    full = list(read_jsonl(tmp_path / "full" / "train.jsonl"))
+    short = list(read_jsonl(tmp_path / "short" / "train.jsonl"))
+    assert len(full) == len(short)
+
+    def said(rows, role):
+        return [m["content"] for r in rows for m in r["messages"] if m["role"] == role]
+
+    assert said(full, "user") == said(short, "user") and "words max" in " ".join(
+        said(short, "user")
+    )
+    long_lines, short_lines = said(full, "assistant"), said(short, "assistant")
+    assert any("words max" in x for x in long_lines)
+    assert not any("words max" in x for x in short_lines)
+    assert [x.rpartition("=>")[2] for x in long_lines] == [
+        x.rpartition("=>")[2] for x in short_lines
+    ]
+    assert sum(map(len, short_lines)) < 0.95 * sum(map(len, long_lines))
+
+
+def test_the_data_never_shows_the_grm_its_rule_only_clauses(tmp_path):
+    """What `GRM.shown` hides in review (`rule_only`, T10 by default) is hidden in training too:
+    no prompt lists it and no line judges it; another setting shows it."""
+    from kitchen.grm import GRMConfig
+
+    s = GRMDataSettings(n_train=10, n_eval=4, seed=2, pool_factor=1, labels=None)
+    write_grm_data(tmp_path / "hidden", s, progress=False)
+    write_grm_data(tmp_path / "shown", s, review=GRMConfig(rule_only=[]), progress=False)
+    for name, seen in (("hidden", False), ("shown", True)):
+        text = (tmp_path / name / "train.jsonl").read_text()
+        assert ("T10" in text) is seen, name
+
+
 def test_bad_settings_say_what_to_fix():
     with pytest.raises(ValueError, match="unknown agent 'sloppy'"):
         GRMDataSettings(mix={"grm": 1, "sloppy": 1})
