@@ -58,7 +58,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -128,6 +128,14 @@ class ModelSource(StrictModel):
         description="Where a tiny model trains (default auto: GPU if present). A base "
         "model uses base.device instead.",
     )
+    add_tokens: list[str] = Field(
+        default_factory=list,
+        description="Strings a `base:` model should write as one token each from now on (e.g. "
+        "the GRM's verdicts ` A1+`, three tokens each in the tiny GRM's vocabulary): added to "
+        "its tokenizer, the embedding grown, each new row starting as the mean of the rows of "
+        "the pieces the string was cut into. Full fine-tuning only (a LoRA would leave the new "
+        "rows untrained). Default none.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSource:
@@ -140,6 +148,11 @@ class ModelSource(StrictModel):
             raise ValueError("`tokenizer:` applies to `tiny:` only; a base model brings its own")
         if self.base is not None and self.device is not None:
             raise ValueError("`device:` applies to `tiny:` only; set base.device instead")
+        if self.add_tokens and (self.base is None or self.base.lora is not None):
+            raise ValueError(
+                "`add_tokens:` needs a `base:` model trained in full (no `lora:`): the new "
+                "embedding rows must train"
+            )
         if self.base is not None and self.base.quantization != "none" and self.base.lora is None:
             raise ValueError("a quantised base cannot be trained in full; add base.lora (QLoRA)")
         if self.tiny is not None:
@@ -471,6 +484,35 @@ def _check_output_dir(recipe: SFTRecipe, out: Path, resume: bool) -> str | None:
     return last
 
 
+def add_tokens(model: Any, tokenizer: Any, strings: Sequence[str]) -> int:
+    """Make each of `strings` one token of `tokenizer` (`tokenizers.AddedToken`, matched as
+    written, before the BPE) and grow `model`'s embedding (and an untied output head) to match;
+    a new row starts as the mean of the rows of the pieces the string was cut into, so the
+    model's first reading of it is close to its reading of the pieces. Strings that already are
+    one token are skipped. Returns how many tokens were added. Deterministic: a resumed run
+    rebuilds the same model before loading its checkpoint."""
+    from tokenizers import AddedToken
+
+    new = []
+    for text in dict.fromkeys(strings):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > 1:
+            new.append((text, ids))
+    if not new:
+        return 0
+    added = tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t, _ in new])
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    rows = [model.get_input_embeddings().weight]
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not rows[0]:
+        rows.append(head.weight)
+    with torch.no_grad():
+        for text, ids in new:
+            for w in rows:
+                w[tokenizer.convert_tokens_to_ids(text)] = w[ids].mean(0)
+    return added
+
+
 def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str | None]:
     """Everything but the training: data, tokenizer, model and a TRL `SFTTrainer`.
 
@@ -510,6 +552,7 @@ def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str 
         quantized, checkpointing = False, False
     else:
         model, tokenizer = load_model(src.base)
+        add_tokens(model, tokenizer, src.add_tokens)
         device = next(model.parameters()).device
         quantized = src.base.quantization != "none"
         checkpointing = src.base.gradient_checkpointing

@@ -124,6 +124,43 @@ def test_sft_run_learns_and_writes_hf_checkpoints(tmp_path, data):
     assert reply[len("@search ") : -len(IM_END)] in CUISINES  # which one: RL's job, not 120 steps
 
 
+def test_added_tokens_are_single_tokens_whose_rows_start_as_their_pieces_mean(tmp_path, data):
+    """`model.add_tokens`: each string becomes one token, the text round-trips, the new embedding
+    row is the mean of the rows of the pieces it replaces (so the model's first reading is its
+    reading of the pieces), old rows are untouched, and adding them again adds nothing."""
+    from kitchen.sft import add_tokens
+
+    tok = train_tokenizer((render_chat(m) for m in dialogues(50)), 512)
+    model = build_tiny_model(tok, MICRO, seed=0)
+    old = model.get_input_embeddings().weight.detach().clone()
+    strings = [" A1+", " T10-", "@search"]
+    pieces = {s: tok(s, add_special_tokens=False)["input_ids"] for s in strings}
+    multi = [s for s in strings if len(pieces[s]) > 1]
+    assert " A1+" in multi and " T10-" in multi
+    assert add_tokens(model, tok, strings) == len(multi)
+    w = model.get_input_embeddings().weight
+    assert w.shape[0] == len(tok) == model.config.vocab_size == old.shape[0] + len(multi)
+    assert torch.equal(w[: old.shape[0]], old)
+    for s in multi:
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and tok.decode(ids) == s
+        assert torch.allclose(w[ids[0]], old[pieces[s]].mean(0))
+    line = "t3 recommend Pad Thai; safe => A1+ T10- T1+"
+    assert tok.decode(tok(line, add_special_tokens=False)["input_ids"]) == line
+    assert add_tokens(model, tok, strings) == 0
+
+
+def test_add_tokens_needs_a_base_trained_in_full(tmp_path, data):
+    """A tiny build trains its own tokenizer and a LoRA would leave the new rows untrained:
+    both are refused with the field named."""
+    for model in (
+        {"tiny": MICRO_YAML, "add_tokens": [" A1+"]},
+        {"base": {"path": "x", "lora": {"r": 4}}, "add_tokens": [" A1+"]},
+    ):
+        with pytest.raises(ValueError, match="add_tokens"):
+            tiny_recipe(tmp_path, data, model=model)
+
+
 def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(tmp_path, data):
     """Interrupt after checkpoint-4 of 8 steps, resume: the final weights equal those of the
     uninterrupted run (same data order, RNG and optimiser state — and the seed makes runs
