@@ -6,6 +6,8 @@ Not a test (timings depend on the machine; ratios from one run are what counts).
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grm.py --threads 1      # 48 dialogues
     .venv/bin/python benchmarks/bench_grm.py --n 96 --batch 32 --grm data/models/grm-tiny
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grm.py --threads 1 --batch 32 --lookahead
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_grm.py --threads 1 --batch 32 --n 64 \
+        --policy data/models/policy-tiny --grm data/models/grm-tiny --compare runs/grm_tiny_short/final
 
 On the shipped tiny GRM, over the same held-out dialogues (scripted, both agents, `--long` of them
 meals), greedy and structure-constrained as `GRM.review` runs by default:
@@ -35,6 +37,12 @@ Measured on this 2-core machine (2026-12-05): 1.52 tokens per forward with one d
 2.26 with eight, but a forward of 2 tokens per row costs 2.54 decode steps and one of 9, 4.92
 (attention reads every key once per query on a CPU, and transformers repeats the grouped K/V
 heads for more than one query), so the projection is 0.60x and 0.46x: not built.
+
+`--compare GRM` puts a second GRM beside `--grm` on the same dialogues (with `--policy`, that
+policy's rollouts on held-out tasks, what RL reviews), both with the cascade the main job uses
+(T3, T6 by code), taken in turn twice: review seconds, lines and tokens written a line, decided
+agreement with the rule judge and each red line's violation recall — what a GRM that writes
+shorter lines (`recipes/grm_tiny_short.yaml`) buys and what it costs.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import torch
 from kitchen.calibrate import agreement
 from kitchen.critique import conversation, review_turns
 from kitchen.grm import GRM, GRMConfig
-from kitchen.grmdata import pool
+from kitchen.grmdata import policy_episodes, pool
 from kitchen.judge import judge
 from kitchen.review import Review
 
@@ -204,6 +212,36 @@ def lookahead(grm: GRM, trajs, pcs) -> None:
         print(f"| {k} | {gain:.2f} | {cost:.2f} | {gain / cost:.2f}x |")
 
 
+def compare(grms: dict[str, GRM], trajs, pcs, refs, rounds: int = 2) -> None:
+    """Two GRMs on the same dialogues, as RL runs them: review seconds (the best of `rounds`,
+    taken in turn so that a noisy machine slows both alike), tokens written a line, decided
+    agreement with the rule judge and the red lines' violation recall."""
+    best: dict[str, float] = {}
+    out: dict[str, tuple] = {}
+    for _ in range(rounds):
+        for name, g in grms.items():
+            reviews, wall, _ = timed(lambda g=g: g.review(trajs, pcs))
+            best[name] = min(best.get(name, wall), wall)
+            lines = [x for t in g.last_text for x in t[0].splitlines() if x.strip()]
+            tokens = sum(len(g.tok(x, add_special_tokens=False)["input_ids"]) for x in lines)
+            out[name] = (agreement(reviews, refs), len(lines), tokens)
+    print(
+        "\n| GRM | review s (best) | lines | tokens a line | decided agreement | A1 | A2 | A3 | A4 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (rep, n, tokens) in out.items():
+        recall = {c.clause: c.recall.get("violate") for c in rep.clauses}
+        cells = " | ".join(
+            "—" if recall.get(a) is None else f"{recall[a]:.1%}" for a in ("A1", "A2", "A3", "A4")
+        )
+        print(
+            f"| {name} | {best[name]:.1f} | {n} | {tokens / max(n, 1):.1f} | "
+            f"{rep.decided_accuracy:.1%} | {cells} |"
+        )
+    a, b = list(best)
+    print(f"\nreview time {b} / {a}: {best[b] / best[a]:.2f}x")
+
+
 def timed(fn):
     w, c = time.perf_counter(), time.process_time()
     out = fn()
@@ -222,6 +260,24 @@ def main() -> None:
     ap.add_argument(
         "--lookahead", action="store_true", help="only: would speculative decoding pay here?"
     )
+    ap.add_argument(
+        "--compare",
+        metavar="GRM",
+        help="only: this GRM against --grm on the same dialogues, with the cascade RL uses "
+        "(T3, T6): review time, tokens a line, agreement, red-line recall",
+    )
+    ap.add_argument(
+        "--compare-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the precision the --compare GRM reviews in (GRMConfig.dtype)",
+    )
+    ap.add_argument(
+        "--policy",
+        metavar="POLICY",
+        help="review this policy's rollouts on held-out tasks (what RL reviews) instead of "
+        "the scripted agents' dialogues",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -230,10 +286,33 @@ def main() -> None:
     cfg = GRMConfig(model=args.grm, batch_size=args.batch)
     grm = GRM.load(cfg)
     slow_grm = GRM(grm.model, grm.tok, cfg.model_copy(update={"engine": "generate"}))
-    triples = pool(args.n, "heldout", args.seed, {"grm": 0.5, "sft": 0.5}, long_share=args.long)
-    trajs = [t for t, _, _ in triples]
-    pcs = [pc for _, pc, _ in triples]
+    if args.policy:
+        pairs = policy_episodes(args.policy, args.n, "heldout", args.seed, long_share=args.long)
+    else:
+        triples = pool(args.n, "heldout", args.seed, {"grm": 0.5, "sft": 0.5}, long_share=args.long)
+        pairs = [(t, pc) for t, pc, _ in triples]
+    trajs = [t for t, _ in pairs]
+    pcs = [pc for _, pc in pairs]
     refs = [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
+    if args.compare:
+        rl = {"batch_size": args.batch, "cascade": ["T3", "T6"]}
+        other = f"{args.compare} ({args.compare_dtype})"
+        grms = {
+            args.grm: GRM.load(GRMConfig(model=args.grm, **rl)),
+            other: GRM.load(GRMConfig(model=args.compare, dtype=args.compare_dtype, **rl)),
+        }
+        for g in grms.values():
+            g.review(trajs[:2], pcs[:2])  # warm-up
+        print(
+            f"command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python "
+            f"benchmarks/bench_grm.py --n {args.n} --batch {args.batch} --threads "
+            f"{args.threads} --grm {args.grm} --compare {args.compare} "
+            f"--compare-dtype {args.compare_dtype}"
+            + (f" --policy {args.policy}" if args.policy else "")
+        )
+        print(f"{len(trajs)} held-out dialogues, {torch.get_num_threads()} CPU thread(s)")
+        compare(grms, trajs, pcs, refs)
+        return
     clauses = sum(len(pc.clauses) for pc in pcs) / len(pcs)
     turns = sum(len(t.turns) for t in trajs) / len(trajs)
     load0 = os.getloadavg()[0]

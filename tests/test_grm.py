@@ -269,3 +269,28 @@ def test_bench_grm_lookahead_counts_what_a_draft_would_save(stand_in, dialogues)
     assert len(records) == sum(len(t.turns) for t in trajs)
     lines = sorted(tok.decode(g, skip_special_tokens=True).strip() for _, g in records)
     assert lines == sorted(x for text in grm.last_text for x in text[0].split("\n"))
+
+
+def test_bench_grm_compare_reads_both_grms_on_the_same_dialogues(stand_in, dialogues, capsys):
+    """benchmarks/bench_grm.py --compare: one row per GRM with the lines it wrote and their
+    tokens a line, its agreement with the judge (here the same GRM twice: the same row)."""
+    from tests.conftest import load_benchmark
+
+    bench = load_benchmark("bench_grm")
+    model, tok = stand_in
+    trajs, pcs = [t for t, _ in dialogues[:3]], [pc for _, pc in dialogues[:3]]
+    refs = [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
+    grms = {name: GRM(model, tok, GRMConfig(batch_size=4)) for name in ("a", "b")}
+    bench.compare(grms, trajs, pcs, refs, rounds=1)
+    out = capsys.readouterr().out
+    rows = {
+        r.split("|")[1].strip(): r.split("|")[3:]
+        for r in out.splitlines()
+        if r[:3] in ("| a", "| b")
+    }
+    lines = [x for t in grms["a"].last_text for x in t[0].splitlines() if x.strip()]
+    tokens = sum(len(tok(x, add_special_tokens=False)["input_ids"]) for x in lines)
+    assert int(rows["a"][0]) == len(lines) >= sum(len(t.turns) for t in trajs) // 2
+    assert float(rows["a"][1]) == round(tokens / len(lines), 1)
+    assert rows["a"] == rows["b"]
+    assert "review time b / a:" in out
