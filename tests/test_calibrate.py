@@ -53,6 +53,11 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
         assert after.sft.model.base.path == f"runs/{before.output_dir}/final"
         assert after.review == before.review and after.data.variants > 0
     assert len({s.data.seed for s in stages}) == len(stages)
+    # stage 8 (shorter lines, measured, not installed) continues the installed stage 7
+    short = load_grm_recipe(paths.RECIPES / "grm_tiny_short.yaml")
+    assert short.sft.model.base.path == stages[-1].install and short.install is None
+    assert short.review == stages[-1].review and not short.data.line_length
+    assert short.data.seed not in {s.data.seed for s in stages} and short.sft.model.add_tokens
 
 
 @pytest.mark.parametrize(
