@@ -131,7 +131,7 @@ class ModelSource(StrictModel):
     add_tokens: list[str] = Field(
         default_factory=list,
         description="Strings a `base:` model should write as one token each from now on (e.g. "
-        "the GRM's verdicts ` A1+`, three tokens each in the tiny GRM's vocabulary): added to "
+        "the GRM's clause ids ` A1`, two tokens each in the tiny GRM's vocabulary): added to "
         "its tokenizer, the embedding grown, each new row starting as the mean of the rows of "
         "the pieces the string was cut into. Full fine-tuning only (a LoRA would leave the new "
         "rows untrained). Default none.",
