@@ -58,6 +58,10 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     assert short.sft.model.base.path == stages[-1].install and short.install is None
     assert short.review == stages[-1].review and not short.data.line_length
     assert short.data.seed not in {s.data.seed for s in stages} and short.sft.model.add_tokens
+    more = load_grm_recipe(paths.RECIPES / "grm_tiny_short_more.yaml")
+    assert more.sft.model.base.path == f"runs/{short.output_dir}/final" and more.install is None
+    assert more.review == short.review and more.data.seed > short.data.seed
+    assert not more.data.line_length and not more.sft.model.add_tokens  # stage 8 added them
 
 
 @pytest.mark.parametrize(
