@@ -283,9 +283,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    cfg = GRMConfig(model=args.grm, batch_size=args.batch)
-    grm = GRM.load(cfg)
-    slow_grm = GRM(grm.model, grm.tok, cfg.model_copy(update={"engine": "generate"}))
     if args.policy:
         pairs = policy_episodes(args.policy, args.n, "heldout", args.seed, long_share=args.long)
     else:
@@ -313,6 +310,9 @@ def main() -> None:
         print(f"{len(trajs)} held-out dialogues, {torch.get_num_threads()} CPU thread(s)")
         compare(grms, trajs, pcs, refs)
         return
+    cfg = GRMConfig(model=args.grm, batch_size=args.batch)
+    grm = GRM.load(cfg)
+    slow_grm = GRM(grm.model, grm.tok, cfg.model_copy(update={"engine": "generate"}))
     clauses = sum(len(pc.clauses) for pc in pcs) / len(pcs)
     turns = sum(len(t.turns) for t in trajs) / len(trajs)
     load0 = os.getloadavg()[0]
