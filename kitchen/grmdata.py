@@ -188,10 +188,12 @@ def near_miss(
     rng: random.Random,
     menu: Menu | None = None,
     checked_orders: int = 0,
+    refused_again: int = 3,
 ) -> tuple[Trajectory, str] | None:
     """One near-miss edit of `traj` (see the module docstring) and its name, or None if no edit
     applies to this dialogue. `checked_orders` is the weight of the `checked-order` edit among
-    the others (0: never drawn, as in the recipes written before it)."""
+    the others (0: never drawn, as in the recipes written before it); `refused_again` the
+    weight of the `refused` edit (3, as in the recipes written before it was a setting)."""
     from kitchen.judge import replay
 
     menu = menu or load_menu()
@@ -220,7 +222,7 @@ def near_miss(
     if checks:
         options.append("check")
     if late and not refused:
-        options += ["refused"] * 3
+        options += ["refused"] * refused_again
     if vetted:
         options += ["checked-order"] * checked_orders
     if not options:
@@ -589,14 +591,15 @@ def pool(
     long_share: float | None = None,
     variants: float = 0.0,
     checked_orders: int = 0,
+    refused_again: int = 3,
 ) -> list[Example]:
     """`n` scripted dialogues of `split` shared among the agents of `mix`, plus the policy
     samples given, each edited into a near miss with probability `near_misses` or given an
     attack or rewording of the split's half of the corpus with probability `adversarial_share`.
     A near-miss dialogue gets one to three edits (on turns drawn independently), since one
     dialogue holds many passes of a clause for each violation. `variants` of the scripted
-    dialogues have a synthetic diner (`kitchen.jobs.pair_jobs`). `checked_orders` weighs the
-    `checked-order` edit (`near_miss`). Sources read `grm`, `sft`,
+    dialogues have a synthetic diner (`kitchen.jobs.pair_jobs`). `checked_orders` and
+    `refused_again` weigh the `checked-order` and `refused` edits (`near_miss`). Sources read `grm`, `sft`,
     `ideal`, `policy`, with `+<edit>` for each kind of edit made."""
     from kitchen.scripted import GRM_QUIRKS, IDEAL_QUIRKS, SFT_QUIRKS, episodes
 
@@ -620,7 +623,9 @@ def pool(
         names = []
         if u < near_misses:  # one to three near misses on different turns
             for _ in range(rng.randint(1, 3)):
-                edit = near_miss(t, pc, rng, checked_orders=checked_orders)
+                edit = near_miss(
+                    t, pc, rng, checked_orders=checked_orders, refused_again=refused_again
+                )
                 if edit is not None:
                     t, names = edit[0], [*names, edit[1]]
         elif u < near_misses + adversarial_share:
@@ -710,6 +715,14 @@ class GRMDataSettings(StrictModel):
         "dish that holds the diner's allergen) among the ~12 other edits; 0 (the recipes before "
         "stage 7) never draws it.",
     )
+    refused_again: int = Field(
+        3,
+        ge=0,
+        le=12,
+        description="Weight of the `refused` near miss (a dish the diner refused named again on "
+        "later turns, an A4 violation) among the other edits. 3: the recipes before stage 9; "
+        "stage 9 raised it after stage 8 trained on wrote `not refused` for refused dishes.",
+    )
     line_length: bool = Field(
         True,
         description="Whether a review line restates the message's length beside the diner's "
@@ -791,6 +804,7 @@ def write_grm_data(
                 long_share=s.long_share,
                 variants=s.variants,
                 checked_orders=s.checked_orders,
+                refused_again=s.refused_again,
             )
         else:
             examples = pool(s.n_eval, split, s.seed + 1, s.mix, long_share=s.long_share)

@@ -132,7 +132,8 @@ def _edits(dialogues, kind, seed, **weights):
 
 def test_a_refused_near_miss_names_the_refused_dish_again_and_breaks_a4(dialogues):
     """`refused` edits name a dish the diner refused again, on one to three later turns, and
-    every edited dialogue gains an A4 violation the original lacked."""
+    every edited dialogue gains an A4 violation the original lacked. Their weight
+    (`refused_again`, stage 9: 9) draws them more often; 0 never."""
     seen, turns = 0, set()
     for traj, pc, out, changed in _edits(dialogues, "refused", 6):
         assert 1 <= len(changed) <= 3
@@ -142,6 +143,9 @@ def test_a_refused_near_miss_names_the_refused_dish_again_and_breaks_a4(dialogue
         seen += 1
         turns.add(len(changed))
     assert seen > 3 and len(turns) > 1, (seen, turns)
+    more = sum(1 for _ in _edits(dialogues, "refused", 6, refused_again=9))
+    assert more > 1.5 * seen, (more, seen)
+    assert not list(_edits(dialogues, "refused", 6, refused_again=0))
 
 
 def test_a_reorder_near_miss_orders_a_course_again_and_breaks_t8(dialogues):
