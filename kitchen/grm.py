@@ -83,6 +83,20 @@ def without_clauses(pc: PersonalConstitution, ids: Iterable[str]) -> PersonalCon
     return pc.model_copy(update={"clauses": [c for c in pc.clauses if c.id not in hide]})
 
 
+def review_dtype(dtype: str) -> str:
+    """`GRMConfig.dtype` → the `ModelSpec.dtype` the GRM loads with: `fast` is bfloat16 on a CPU
+    that multiplies it in hardware (and on a CUDA GPU, as `auto`), float32 on other CPUs."""
+    import torch
+
+    from kitchen.models import cpu_has_bf16_matmul
+
+    if dtype != "fast":
+        return dtype
+    if torch.cuda.is_available() or not cpu_has_bf16_matmul():
+        return "auto"
+    return "bfloat16"
+
+
 class GRMConfig(StrictModel):
     """How the GRM reviews. Defaults suit the shipped tiny GRM on a CPU."""
 
@@ -165,13 +179,13 @@ class GRMConfig(StrictModel):
         "serve uses generate, with the reason logged.",
     )
     seed: int = Field(0, description="Seeds sampled reviews (temperature > 0).")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    dtype: Literal["auto", "fast", "float32", "bfloat16"] = Field(
         "auto",
         description="Precision the GRM reviews in. auto (default): bfloat16 on a CUDA GPU that "
-        "supports it, float32 elsewhere (`ModelSpec.dtype`). bfloat16 on a CPU halves the "
-        "bytes attention reads for every token written, which is what bounds a review there: "
-        "faster where the CPU computes in bfloat16 natively (AMX), slower where it does not, "
-        "and a few lines may differ.",
+        "supports it, float32 elsewhere (`ModelSpec.dtype`). fast: as auto, and bfloat16 also "
+        "on a CPU that multiplies it in hardware (AMX; `models.cpu_has_bf16_matmul`). bfloat16 "
+        "on a CPU halves the bytes attention reads for every token written, which is what "
+        "bounds a review there: faster with AMX, slower without, and a few lines may differ.",
     )
 
 
@@ -256,7 +270,7 @@ class GRM:
         path = cfg.model
         if not path.startswith("/") and (paths.HOME / path).exists():
             path = str(paths.HOME / path)
-        model, tok = load_model(ModelSpec(path=path, dtype=cfg.dtype))
+        model, tok = load_model(ModelSpec(path=path, dtype=review_dtype(cfg.dtype)))
         model.eval()
         return cls(model, tok, cfg)
 

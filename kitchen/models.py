@@ -459,6 +459,17 @@ def resolve_device(device: Literal["auto", "cpu", "cuda"] = "auto") -> torch.dev
     return torch.device(device)
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX tiles), where a
+    bfloat16 forward pass is faster than a float32 one; elsewhere it is slower. torch exposes
+    the test only privately (`torch.cpu._is_amx_tile_supported`); where that is gone, False."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`ModelSpec.dtype` → a torch dtype (see the module docstring, departure 3)."""
     if dtype == "auto":

@@ -294,3 +294,27 @@ def test_bench_grm_compare_reads_both_grms_on_the_same_dialogues(stand_in, dialo
     assert float(rows["a"][1]) == round(tokens / len(lines), 1)
     assert rows["a"] == rows["b"]
     assert "review time b / a:" in out
+
+
+def test_fast_review_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch):
+    """`GRMConfig.dtype: fast` loads the GRM in bfloat16 on a CPU with AMX and as `auto`
+    (float32 on a CPU) without it; the other settings pass through unchanged."""
+    import torch
+
+    from kitchen import grm as grm_module
+    from kitchen import models
+
+    probe = models.cpu_has_bf16_matmul
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for amx, want in ((True, "bfloat16"), (False, "auto")):
+        monkeypatch.setattr(models, "cpu_has_bf16_matmul", lambda amx=amx: amx)
+        assert grm_module.review_dtype("fast") == want
+        assert [grm_module.review_dtype(d) for d in ("auto", "float32", "bfloat16")] == [
+            "auto",
+            "float32",
+            "bfloat16",
+        ]
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert probe() is True
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert probe() is False  # the private probe gone from torch: float32, as before
