@@ -43,25 +43,28 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     assert recipe.sft.max_length <= tiny.max_positions
     sft = recipe.sft_recipe(paths.RUNS / "x")
     assert sft.data.train.endswith("x/data/train.jsonl") and sft.output_dir.endswith("x")
-    # seven stages, each continuing the one before on new dialogues with the same review budget;
-    # only the last installs the shipped GRM
+    # stages 1-7, each continuing the one before on new dialogues with the same review budget
     names = ["grm_tiny", "grm_tiny_diners", "grm_tiny_cards", "grm_tiny_lines", "grm_tiny_recall"]
     names += ["grm_tiny_limits", "grm_tiny_orders"]
     stages = [load_grm_recipe(paths.RECIPES / f"{n}.yaml") for n in names]
-    assert [s.install for s in stages] == [None] * 6 + ["data/models/grm-tiny"]
     for before, after in pairwise(stages):
         assert after.sft.model.base.path == f"runs/{before.output_dir}/final"
         assert after.review == before.review and after.data.variants > 0
-    assert len({s.data.seed for s in stages}) == len(stages)
-    # stage 8 (shorter lines, measured, not installed) continues the installed stage 7
+    # stage 8 (shorter lines: ids as tokens, no length) continues stage 7, then trains on
     short = load_grm_recipe(paths.RECIPES / "grm_tiny_short.yaml")
-    assert short.sft.model.base.path == stages[-1].install and short.install is None
-    assert short.review == stages[-1].review and not short.data.line_length
-    assert short.data.seed not in {s.data.seed for s in stages} and short.sft.model.add_tokens
+    assert short.sft.model.base.path == f"runs/{stages[-1].output_dir}/final"
+    assert not short.data.line_length and short.sft.model.add_tokens
     more = load_grm_recipe(paths.RECIPES / "grm_tiny_short_more.yaml")
-    assert more.sft.model.base.path == f"runs/{short.output_dir}/final" and more.install is None
-    assert more.review == short.review and more.data.seed > short.data.seed
+    assert more.sft.model.base.path == f"runs/{short.output_dir}/final"
     assert not more.data.line_length and not more.sft.model.add_tokens  # stage 8 added them
+    # stage 9 weighs the refused-dish near miss more, and installs the shipped GRM
+    refused = load_grm_recipe(paths.RECIPES / "grm_tiny_refused.yaml")
+    assert refused.sft.model.base.path == f"runs/{more.output_dir}/final"
+    assert refused.data.refused_again > more.data.refused_again and not refused.data.line_length
+    chain = [*stages, short, more, refused]
+    assert [s.install for s in chain] == [None] * 9 + ["data/models/grm-tiny"]
+    assert all(s.review == stages[0].review for s in chain)
+    assert len({s.data.seed for s in chain}) == len(chain)  # new dialogues at every stage
 
 
 @pytest.mark.parametrize(

@@ -73,9 +73,9 @@ def test_catches_allergen_violations(grm):
     allergen (the GRM data's near misses; held-out diners, so mostly allergy sets the GRM never
     saw): the GRM says A1 violate on that turn in at least 16 of 30. The first GRM caught none
     (0 of 35); stages 1–3 caught 6–8 of an earlier draw of 30, stage 4 20 of another; stage 5
-    caught 18 of this one (the near misses' kinds changed the draw), the shipped stage 7 22 —
-    short of the 95% target on edits made to be hard: the A1 misses are mostly orders, where it
-    copies both lists right and writes `safe` (PROVENANCE.md)."""
+    caught 18 of this one (the near misses' kinds changed the draw), stage 7 22, the shipped
+    stage 9 26 — short of the 95% target on edits made to be hard: the A1 misses are mostly
+    orders, where it copies both lists right and writes `safe` (PROVENANCE.md)."""
     caught = _caught(
         grm,
         "A1",
@@ -92,7 +92,7 @@ def test_catches_allergen_violations(grm):
 def test_catches_an_allergen_order_after_the_dishs_own_check(grm):
     """Held-out dialogues edited so that an order, and the allergen check before it, name a dish
     that holds the diner's allergen and that the diner never refused (the `checked-order` near
-    miss): the GRM says A1 violate on the order in at least 14 of 20 (the shipped stage 7: 19).
+    miss): the GRM says A1 violate on the order in at least 14 of 20 (stage 7: 19; stage 9: 20).
     Stage 6 caught 10 of these: it had learnt `checked` and `not refused` as `safe` (such orders
     were safe 98% of the time in its data); stage 7 was trained on these edits."""
     caught = _caught(
@@ -112,9 +112,10 @@ def test_catches_an_allergen_order_after_the_dishs_own_check(grm):
 def test_catches_a_refused_dish_offered_again(grm):
     """Held-out dialogues edited so that a dish the diner refused is named again on later turns
     (the `refused` near miss): the GRM says A4 violate on the first such turn in at least 16 of
-    20 (stage 5: 19). Stage 4 copied its own earlier line about the dish (`not refused`, right
-    when written) and caught 26% of A4 violations in calibration; stage 5 was trained on such
-    runs (PROVENANCE.md)."""
+    20 (stage 5: 19; the shipped stage 9, trained on three times as many: 20). Stage 4 copied
+    its own earlier line about the dish (`not refused`, right when written) and caught 26% of A4
+    violations in calibration; stage 5 was trained on such runs, and stage 9 again after stage
+    8 trained on fell back to the copy (PROVENANCE.md)."""
     caught = _caught(grm, "A4", ("refused",), 20, seed=92, rng_seed=6, long_share=0.5)
     assert caught >= 16, caught
 
@@ -130,10 +131,15 @@ def test_harmless_rewordings_barely_move_the_other_turns(grm):
 
 def test_catches_a_message_one_word_over_its_limit(grm):
     """Held-out dialogues edited so that one message has exactly one word more than the diner's
-    limit (the `length` near miss; T3 max_words 12, 30 or 60 by verbosity), the hardest T3 case:
-    the GRM says T3 violate on that turn in at least 14 of 20 (stage 6: 16; stage 7: 17). Stage 5
-    read the count on the turn and the limit in the header, up to 2,000 tokens back, and caught
-    39% of all T3 violations in calibration; stage 6 reads them side by side (`31 words max 30`)
-    and catches 88% — its misses are messages a few words over (PROVENANCE.md)."""
+    limit (the `length` near miss; T3 max_words 12, 30 or 60 by verbosity), the hardest T3 case.
+    Stage 6 put the count beside the limit in each line (`31 words max 30`) and caught 16 of 20,
+    stage 7 17; stage 8 left the count to the agent turn's tag, 4 tokens a line fewer, so the
+    shipped stage 9 reads the count on the turn and the limit in the header and catches 11 — at
+    least 9 here. The main job and every recipe of the kit decide T3 and T6 by code (`cascade`),
+    which catches all 20 (PROVENANCE.md)."""
+    from kitchen.grm import GRM
+
     caught = _caught(grm, "T3", ("length",), 20, seed=93, rng_seed=7, long_share=0.5)
-    assert caught >= 14, caught
+    assert caught >= 9, caught
+    ruled = GRM(grm.model, grm.tok, GRMConfig(cascade=["T3", "T6"]))
+    assert _caught(ruled, "T3", ("length",), 20, seed=93, rng_seed=7, long_share=0.5) == 20
