@@ -599,8 +599,8 @@ def pool(
     A near-miss dialogue gets one to three edits (on turns drawn independently), since one
     dialogue holds many passes of a clause for each violation. `variants` of the scripted
     dialogues have a synthetic diner (`kitchen.jobs.pair_jobs`). `checked_orders` and
-    `refused_again` weigh the `checked-order` and `refused` edits (`near_miss`). Sources read `grm`, `sft`,
-    `ideal`, `policy`, with `+<edit>` for each kind of edit made."""
+    `refused_again` weigh the `checked-order` and `refused` edits (`near_miss`). Sources read
+    `grm`, `sft`, `ideal`, `policy`, with `+<edit>` for each kind of edit made."""
     from kitchen.scripted import GRM_QUIRKS, IDEAL_QUIRKS, SFT_QUIRKS, episodes
 
     agents = {"grm": GRM_QUIRKS, "sft": SFT_QUIRKS, "ideal": IDEAL_QUIRKS}
