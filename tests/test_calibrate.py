@@ -43,13 +43,13 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     assert recipe.sft.max_length <= tiny.max_positions
     sft = recipe.sft_recipe(paths.RUNS / "x")
     assert sft.data.train.endswith("x/data/train.jsonl") and sft.output_dir.endswith("x")
-    # stages 1-7, each continuing the one before on new dialogues with the same review budget
+    # stages 1-7, each continuing the one before on new dialogues
     names = ["grm_tiny", "grm_tiny_diners", "grm_tiny_cards", "grm_tiny_lines", "grm_tiny_recall"]
     names += ["grm_tiny_limits", "grm_tiny_orders"]
     stages = [load_grm_recipe(paths.RECIPES / f"{n}.yaml") for n in names]
     for before, after in pairwise(stages):
         assert after.sft.model.base.path == f"runs/{before.output_dir}/final"
-        assert after.review == before.review and after.data.variants > 0
+        assert after.data.variants > 0
     # stage 8 (shorter lines: ids as tokens, no length) continues stage 7, then trains on
     short = load_grm_recipe(paths.RECIPES / "grm_tiny_short.yaml")
     assert short.sft.model.base.path == f"runs/{stages[-1].output_dir}/final"
@@ -63,7 +63,7 @@ def test_shipped_grm_recipe_is_valid_and_fits_the_context():
     assert refused.data.refused_again > more.data.refused_again and not refused.data.line_length
     chain = [*stages, short, more, refused]
     assert [s.install for s in chain] == [None] * 9 + ["data/models/grm-tiny"]
-    assert all(s.review == stages[0].review for s in chain)
+    assert all(s.review == stages[0].review for s in chain)  # one review budget throughout
     assert len({s.data.seed for s in chain}) == len(chain)  # new dialogues at every stage
 
 
