@@ -143,3 +143,41 @@ def test_catches_a_message_one_word_over_its_limit(grm):
     assert caught >= 9, caught
     ruled = GRM(grm.model, grm.tok, GRMConfig(cascade=["T3", "T6"]))
     assert _caught(ruled, "T3", ("length",), 20, seed=93, rng_seed=7, long_share=0.5) == 20
+
+
+def test_the_main_jobs_review_fails_a_number_run_to_the_token_budget(grm):
+    """Seed 1 of the main job's three-seed run collapsed into messages that ran a number to the
+    token budget (`ready in 1000000000…`): the rule judge fails them on A2 (a phone number), the
+    GRM was never shown one. Held-out dialogues with the first number in a message to the diner
+    so edited: the judge says A2 violate in every one, and the main job's review
+    (`recipes/tiny_mapo.yaml`'s `grm`, which cascades A2 to code) says so too, on that turn,
+    in all 20. The shipped GRM alone, with only T3 and T6 cascaded, calls 0 of these 20 A2
+    violations (measured 2026-12-05)."""
+    import re
+
+    from kitchen.injection import with_text
+    from kitchen.train import load_recipe
+
+    cases = []
+    for traj, pc, _ in calibration_set(200, seed=95, policy=None, long_share=0.5):
+        for t, info in enumerate(traj.turns):
+            text = traj.messages[info.message].get("content") or ""
+            if info.action.kind == "say" and re.search(r"\b\d{1,3}\b", text):
+                run = re.sub(r"\b(\d{1,3})\b", lambda m: m.group(1) + "0" * 14, text, count=1)
+                cases.append((with_text(traj, t, run, mode="replace"), pc, t))
+                break
+        if len(cases) == 20:
+            break
+    assert len(cases) == 20
+
+    def a2_violations(reviews) -> int:
+        return sum(
+            r.get(turn, "A2") is not None and r.get(turn, "A2").verdict == "violate"
+            for r, (_, _, turn) in zip(reviews, cases, strict=True)
+        )
+
+    trajs, pcs = [c[0] for c in cases], [c[1] for c in cases]
+    assert a2_violations([judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]) == 20
+    main = load_recipe(paths.RECIPES / "tiny_mapo.yaml").grm
+    ruled = GRM(grm.model, grm.tok, GRMConfig(cascade=main.cascade, rule_only=main.rule_only))
+    assert a2_violations(ruled.review(trajs, pcs)) == 20
