@@ -114,6 +114,7 @@ from kitchen.models import (
     ModelSpec,
     adapters_disabled,
     add_adapter,
+    cpu_has_bf16_matmul,
     load_adapter,
     load_model,
     save_adapter,
@@ -290,6 +291,17 @@ class TrainConfig(StrictModel):
         gt=0,
         lt=1,
         description="Alarm when mean entropy falls below this fraction of its first value.",
+    )
+    autocast: Literal["none", "bfloat16", "fast"] = Field(
+        "none",
+        description="The update's forward and backward passes (the policy's and the reference's "
+        "log-probs) under torch's bfloat16 autocast: 'bfloat16' always, 'fast' where the device "
+        "multiplies bfloat16 in hardware (a CUDA GPU that supports it, a CPU with AMX; "
+        "`models.cpu_has_bf16_matmul`) and float32 elsewhere, 'none' (default) in the weights' "
+        "own dtype. The adapter's weights, the optimiser and the loss stay float32. Measured on "
+        "the shipped policy with the MAPO adapter (64 held-out dialogues, one thread, AMX): "
+        "forward and backward 0.57x the time, per-token log-probs within 0.013 on average "
+        "(largest 0.25), log π − log π_ref within 0.017 on average, its mean unchanged.",
     )
     kl_metric: bool = Field(
         True,
@@ -1135,15 +1147,17 @@ class Run:
         tokens_seen = 0
         t0 = time.perf_counter()
         stats: dict[str, list[float]] = {}
+        autocast = update_autocast(r.train.autocast, dev)
         for _ in range(r.train.epochs):
             order = torch.randperm(len(units)).tolist()
             for chunk in minibatches(units, order, r.train.minibatch):
                 ids, attn, at = unit_tensors(chunk, self.tok.pad_token_id, dev)
-                logp_all, ent_all = token_logprobs(self.model, ids, attn, positions=at)
+                with autocast:
+                    logp_all, ent_all = token_logprobs(self.model, ids, attn, positions=at)
                 idx, logp, mask = spans_of(logp_all, chunk)
                 ref = None
                 if cfg.beta > 0 or r.train.kl_metric:
-                    with torch.no_grad(), adapters_disabled(self.model):
+                    with torch.no_grad(), adapters_disabled(self.model), autocast:
                         ref_all, _ = token_logprobs(self.model, ids, attn, positions=at)
                     _, ref, _ = spans_of(ref_all, chunk)
                 _, ent, _ = spans_of(ent_all, chunk)
@@ -1381,6 +1395,15 @@ def _field_of(block: Loc, message: str) -> Loc:
     if "bitsandbytes" in message:
         return block + ("quantization",)
     return block + (("path",) if block == ("policy",) else ("model",))
+
+
+def update_autocast(mode: str, device: torch.device) -> torch.autocast:
+    """`TrainConfig.autocast` → the autocast context the update's passes run in (disabled for
+    'none', and for 'fast' where bfloat16 is not multiplied in hardware)."""
+    if mode == "fast":
+        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16_matmul()
+        mode = "bfloat16" if native else "none"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
 
 
 def diverged(recipe: Recipe, iteration: int, loss: float, grad_norm: float) -> Problem:

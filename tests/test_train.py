@@ -146,10 +146,12 @@ def test_logprobs_at_collection_match_the_training_forward(runs_dir):
         assert int(mask[b].sum()) == len(recorded)
 
 
-def test_update_moves_weights_toward_positive_advantages(runs_dir):
+@pytest.mark.parametrize("autocast", ["none", "bfloat16"])
+def test_update_moves_weights_toward_positive_advantages(runs_dir, autocast):
     """After one iteration the adapter has moved, and actions with a higher advantage gained
-    log-probability relative to those with a lower one."""
-    run = Run(tiny_recipe("update"), progress=False)
+    log-probability relative to those with a lower one — also with the update's passes under
+    bfloat16 autocast (`train.autocast`), where the adapter stays float32."""
+    run = Run(tiny_recipe("update", train={"autocast": autocast}), progress=False)
     before = lora_state(run.model)
     m = run.step()
     after = lora_state(run.model)
@@ -172,6 +174,7 @@ def test_update_moves_weights_toward_positive_advantages(runs_dir):
     assert d[a > 0].mean() > 0 > d[a < 0].mean(), (d[a > 0].mean(), d[a < 0].mean())
     corr = torch.corrcoef(torch.stack([a, d]))[0, 1]
     assert corr > 0.2, f"log-prob change does not follow the advantage (corr {corr:.2f})"
+    assert all(v.dtype == torch.float32 for v in after.values())
     for key in (
         "reward/global_mean",
         "adv/mixed_abs_mean",
@@ -709,3 +712,18 @@ def test_bench_nb05_changes_one_field_and_says_which_is_wrong():
         bench.changed(recipe, ["nope.lr=1"], 5, 12)
     with pytest.raises(KitchenError, match="expected key=value"):
         bench.changed(recipe, ["train.lr"], 5, 12)
+
+
+def test_fast_autocast_is_bfloat16_only_where_the_device_multiplies_it(monkeypatch):
+    """`train.autocast: fast` runs the update under bfloat16 autocast on a CPU with AMX and in
+    float32 on one without; 'bfloat16' always does, 'none' never."""
+    from kitchen import train as train_module
+
+    cpu = torch.device("cpu")
+    for amx in (True, False):
+        monkeypatch.setattr(train_module, "cpu_has_bf16_matmul", lambda amx=amx: amx)
+        on = []
+        for mode in ("none", "bfloat16", "fast"):
+            with train_module.update_autocast(mode, cpu):
+                on.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        assert on == [False, torch.bfloat16, torch.bfloat16 if amx else False]
