@@ -19,12 +19,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 import pytest
+from transformers.utils import logging as hf_logging
 
 from kitchen import paths
 from kitchen.constitution import Constitution, load_constitution
 from kitchen.profile import Profile, load_profiles
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# transformers makes its log handler at its first log call, on the sys.stderr of that moment.
+# Made inside a test that captures stderr (`capsys`), it would write to that test's buffer, closed
+# when the test ends, and a later warning would print a logging error (with a traceback) into
+# whichever test runs then. Made here, it holds pytest's session-long stream.
+hf_logging.get_logger("transformers")
 
 
 @pytest.fixture(scope="session")
