@@ -298,10 +298,10 @@ class TrainConfig(StrictModel):
         "log-probs) under torch's bfloat16 autocast: 'bfloat16' always, 'fast' where the device "
         "multiplies bfloat16 in hardware (a CUDA GPU that supports it, a CPU with AMX; "
         "`models.cpu_has_bf16_matmul`) and float32 elsewhere, 'none' (default) in the weights' "
-        "own dtype. The adapter's weights, the optimiser and the loss stay float32. Measured on "
-        "the shipped policy with the MAPO adapter (64 held-out dialogues, one thread, AMX): "
-        "forward and backward 0.57x the time, per-token log-probs within 0.013 on average "
-        "(largest 0.25), log π − log π_ref within 0.017 on average, its mean unchanged.",
+        "own dtype. The adapter's weights, the optimiser and the loss stay float32. Measured "
+        "by benchmarks/bench_update.py (one thread, AMX): the main job's update 0.74x the time "
+        "a token; per-token log-probs within 0.013 of float32 on average, log π − log π_ref "
+        "within 0.017, its mean unchanged.",
     )
     kl_metric: bool = Field(
         True,
