@@ -81,8 +81,8 @@ def _(mo):
     invites gaming the reviewer: [docs/method.md](../docs/method.md#reward-hacking)). The reviewer can be the GRM (the method) or
     the rule judge (an oracle: what a perfect GRM would give). The GRM is set up as in the main
     job (`recipes/tiny_mapo.yaml`): it reviews every clause except the two word counts (T3, T6)
-    and contact details (A2: a phone number or e-mail in a message, a question for one), which
-    code decides exactly — a cascade.
+    and the privacy red line (A2: a phone number or e-mail in a message, a question for a name,
+    phone, e-mail or address), which code decides exactly — a cascade.
 
     As in the main job, the learning rate starts high and falls to a tenth of itself (cosine),
     β adapts to a KL target (it doubles while the policy runs further than 0.1 from the
