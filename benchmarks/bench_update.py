@@ -30,7 +30,7 @@ import torch
 
 from kitchen import paths
 from kitchen.models import ModelSpec, adapters_disabled, load_adapter, load_model, token_logprobs
-from kitchen.train import Recipe, Run, load_recipe
+from kitchen.train import Recipe, Run, load_recipe, update_autocast
 
 MODES = ("none", "bfloat16")
 
@@ -78,7 +78,7 @@ def fidelity(dialogues: int) -> None:
     ids, mask = enc["input_ids"], enc["attention_mask"]
     out = {}
     for mode in MODES:
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=mode == "bfloat16"):
+        with torch.no_grad(), update_autocast(mode, torch.device("cpu")):
             logp, _ = token_logprobs(policy, ids, mask)
             with adapters_disabled(policy):
                 ref, _ = token_logprobs(policy, ids, mask)

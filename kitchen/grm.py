@@ -88,13 +88,13 @@ def review_dtype(dtype: str) -> str:
     that multiplies it in hardware (and on a CUDA GPU, as `auto`), float32 on other CPUs."""
     import torch
 
-    from kitchen.models import cpu_has_bf16_matmul
+    from kitchen.models import bf16_is_native
 
     if dtype != "fast":
         return dtype
-    if torch.cuda.is_available() or not cpu_has_bf16_matmul():
-        return "auto"
-    return "bfloat16"
+    if torch.cuda.is_available():
+        return "auto"  # bfloat16 where the GPU supports it
+    return "bfloat16" if bf16_is_native(torch.device("cpu")) else "auto"
 
 
 class GRMConfig(StrictModel):

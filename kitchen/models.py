@@ -470,6 +470,15 @@ def cpu_has_bf16_matmul() -> bool:
         return False
 
 
+def bf16_is_native(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 in hardware, so that bfloat16 arithmetic is faster
+    there than float32: a CUDA GPU that supports it, a CPU with AMX (`cpu_has_bf16_matmul`).
+    What the `fast` settings (`GRMConfig.dtype`, `TrainConfig.autocast`) ask."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and cpu_has_bf16_matmul()
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`ModelSpec.dtype` → a torch dtype (see the module docstring, departure 3)."""
     if dtype == "auto":

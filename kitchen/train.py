@@ -114,7 +114,7 @@ from kitchen.models import (
     ModelSpec,
     adapters_disabled,
     add_adapter,
-    cpu_has_bf16_matmul,
+    bf16_is_native,
     load_adapter,
     load_model,
     save_adapter,
@@ -297,7 +297,7 @@ class TrainConfig(StrictModel):
         description="The update's forward and backward passes (the policy's and the reference's "
         "log-probs) under torch's bfloat16 autocast: 'bfloat16' always, 'fast' where the device "
         "multiplies bfloat16 in hardware (a CUDA GPU that supports it, a CPU with AMX; "
-        "`models.cpu_has_bf16_matmul`) and float32 elsewhere, 'none' (default) in the weights' "
+        "`models.bf16_is_native`) and float32 elsewhere, 'none' (default) in the weights' "
         "own dtype. The adapter's weights, the optimiser and the loss stay float32. Measured "
         "by benchmarks/bench_update.py (one thread, AMX): the main job's update 0.74x the time "
         "a token; per-token log-probs within 0.013 of float32 on average, log π − log π_ref "
@@ -1401,8 +1401,7 @@ def update_autocast(mode: str, device: torch.device) -> torch.autocast:
     """`TrainConfig.autocast` → the autocast context the update's passes run in (disabled for
     'none', and for 'fast' where bfloat16 is not multiplied in hardware)."""
     if mode == "fast":
-        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16_matmul()
-        mode = "bfloat16" if native else "none"
+        mode = "bfloat16" if bf16_is_native(device) else "none"
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
 
 

@@ -717,11 +717,12 @@ def test_bench_nb05_changes_one_field_and_says_which_is_wrong():
 def test_fast_autocast_is_bfloat16_only_where_the_device_multiplies_it(monkeypatch):
     """`train.autocast: fast` runs the update under bfloat16 autocast on a CPU with AMX and in
     float32 on one without; 'bfloat16' always does, 'none' never."""
+    from kitchen import models
     from kitchen import train as train_module
 
     cpu = torch.device("cpu")
     for amx in (True, False):
-        monkeypatch.setattr(train_module, "cpu_has_bf16_matmul", lambda amx=amx: amx)
+        monkeypatch.setattr(models, "cpu_has_bf16_matmul", lambda amx=amx: amx)
         on = []
         for mode in ("none", "bfloat16", "fast"):
             with train_module.update_autocast(mode, cpu):
