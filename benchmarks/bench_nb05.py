@@ -14,7 +14,7 @@ compliance, success, per task kind and per clause.
     .venv/bin/python benchmarks/bench_nb05.py --iterations 0 --set eval.seed=1   # no training
 
 The held-out jobs are drawn from `eval.seed`; `--set eval.seed=N` re-draws them, which is how far
-the reading moves without any training (README, "Notebook 05's train button").
+the reading moves without any training (docs/results.md, "Notebook 05's train button").
 """
 
 from __future__ import annotations

@@ -250,12 +250,12 @@ def _(mo):
     seed 2 and not in seed 1 (the `seed` a recipe sets). The shipped SFT policy starts higher
     (0.880), and on it a run this short does not move held-out compliance beyond the scatter of
     its points, whatever the settings (measured for a dozen: learning rate, K, the state key,
-    the turn budget, even the rule judge as reviewer; README, "Notebook 05's train button"): it
-    often drifts down, mostly through meals. Two things to see instead. With the share of meals
-    at 0 (about a minute), single-dish success rises in every seed measured (0.59 → 0.60–0.72).
-    And one clause moves at once: T5 (ask the cuisine when the request names none) went from
-    0.66 to 0.70–0.90 in 15 of the 17 runs measured. The main job's 60 iterations at K 8 do raise
-    held-out compliance, on meals too.
+    the turn budget, even the rule judge as reviewer; docs/results.md, "Notebook 05's train
+    button"): it often drifts down, mostly through meals. Two things to see instead. With the
+    share of meals at 0 (about a minute), single-dish success rises in every seed measured
+    (0.59 → 0.60–0.72). And one clause moves at once: T5 (ask the cuisine when the request names
+    none) went from 0.66 to 0.70–0.90 in 15 of the 17 runs measured. The main job's 60
+    iterations at K 8 do raise held-out compliance, on meals too.
 
     Meals are where credit assignment matters: a meal of several courses takes 12–20 turns, and
     one late mistake fails the whole order. The outcome-only `grpo` gives all twenty turns the same
