@@ -261,3 +261,53 @@ def test_no_file_cites_a_document_outside_the_repository():
     assert len(checked) > 100  # the whole repository, not a handful of files
     hits = outside_citations(checked)
     assert not hits, "cite docs/method.md#<anchor> instead:\n" + "\n".join(hits)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """The anchor a Markdown renderer gives a heading (GitHub's rule: lower case, punctuation
+    dropped, spaces to hyphens)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors_of(path: Path) -> set[str]:
+    text = path.read_text()
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return set(ANCHOR.findall(text)) | {slug(h) for h in headings}
+
+
+def broken_links(paths_) -> list[str]:
+    """`file:line: link` of every relative Markdown link whose file or anchor does not exist."""
+    bad = []
+    for path in paths_:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in LINK.finditer(line):
+                target = m.group(1)
+                if re.match(r"[a-z]+:", target):
+                    continue  # a web address or mailto:
+                file, _, anchor = target.partition("#")
+                dest = (path.parent / file).resolve() if file else path
+                where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{n}"
+                if not dest.exists():
+                    bad.append(f"{where}: {target} (no such file)")
+                elif anchor and dest.suffix == ".md" and anchor not in anchors_of(dest):
+                    bad.append(f"{where}: {target} (no such anchor)")
+    return bad
+
+
+def test_every_link_in_the_readme_and_docs_leads_somewhere(tmp_path):
+    """Every relative link in README.md and docs/*.md names a file of the repository and, where
+    it names an anchor in a Markdown file, an anchor that file defines (`<a id>` or a heading);
+    the checker itself flags a missing file and a missing anchor."""
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    assert DOCS / "results.md" in pages
+    assert not broken_links(pages), "\n".join(broken_links(pages))
+    page = tmp_path / "page.md"
+    page.write_text("## A heading\n[ok](#a-heading) [gone](nowhere.md) [lost](#no-heading)\n")
+    assert [line.split(": ", 1)[1] for line in broken_links([page])] == [
+        "nowhere.md (no such file)",
+        "#no-heading (no such anchor)",
+    ]
