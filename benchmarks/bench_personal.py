@@ -32,7 +32,11 @@ Two more readings say whether RL *can* move a form:
 - *first and later recommendations*: the short form's share among the recommendations of each
   profile group, the first of the episode against the later ones — a policy that picks the form
   from the diner's style keeps it; one that copies its own earlier messages or loses the thread
-  in a long episode drifts.
+  in a long episode drifts;
+- *what a recommendation follows*, per form: its dish checked earlier in the episode, right
+  after a check of another dish (the wrong name copied), or unchecked otherwise. The scripted
+  data checks both forms alike; a form that follows other dishes' checks more often earns less
+  local reward for that, not for its length.
 
     .venv/bin/python benchmarks/bench_personal.py runs/demo-seeds sft demo-seeds-mapo-s0
 """
@@ -131,6 +135,30 @@ def recommendation_drift(forms: list[str]) -> tuple[str | None, list[str]]:
     return (recs[0] if recs else None), recs[1:]
 
 
+FOLLOWS = ("its dish checked", "after checking another", "unchecked, otherwise")
+
+
+def follows(turns: list[Turn], forms: list[str]) -> list[tuple[str, str]]:
+    """(form, what it follows) of every recommendation of an episode: its dish checked earlier
+    in the episode, right after an `@allergens` call on another dish (the policy named another
+    dish than the one it had just checked), or unchecked otherwise. In the scripted data both
+    forms follow a check of their own dish alike; a policy whose short form, which opens with the
+    dish's name, names another dish after a check copies the wrong name."""
+    out = []
+    for i, (t, f) in enumerate(zip(turns, forms, strict=True)):
+        if f not in RECS or t.dish is None:
+            continue
+        before = turns[i - 1] if i else None
+        if t.dish.name in t.checked:
+            what = FOLLOWS[0]
+        elif before is not None and before.kind == "tool" and before.tool == "allergens":
+            what = FOLLOWS[1]
+        else:
+            what = FOLLOWS[2]
+        out.append((f, what))
+    return out
+
+
 def report(trajs: list[Trajectory], pcs: list, menu) -> None:
     count: dict[str, Counter] = defaultdict(Counter)
     broken: dict[str, Counter] = defaultdict(Counter)
@@ -138,6 +166,7 @@ def report(trajs: list[Trajectory], pcs: list, menu) -> None:
     first: Counter = Counter()
     drift: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
     steps: list[dict] = []
+    followed: Counter = Counter()
     for traj, pc in zip(trajs, pcs, strict=True):
         review = judge(traj, pc, menu)
         local, valid, contrib = turn_rewards(review, pc)
@@ -150,6 +179,7 @@ def report(trajs: list[Trajectory], pcs: list, menu) -> None:
         if "hurried" in groups:
             first[first_action(turns)] += 1
         forms = [step_form(t) for t in turns]  # a message's form, or `@tool`
+        followed.update(follows(turns, forms))
         weights = {c.id: c.weight for c in pc.clauses}
         head, later = recommendation_drift(
             [f for t, f in zip(turns, forms, strict=True) if t.kind == "say"]
@@ -200,6 +230,11 @@ def report(trajs: list[Trajectory], pcs: list, menu) -> None:
             k = sum(c.values())
             cells.append(f"{c['short'] / k:6.1%} of {k:<4}" if k else "     — of 0   ")
         print(f"    {g:<9} {cells[0]} · {cells[1]}")
+    print("  what a recommendation follows, every diner:")
+    for f in RECS:
+        k = sum(followed[(f, w)] for w in FOLLOWS)
+        cells = ", ".join(f"{w} {followed[(f, w)] / k:.0%}" for w in FOLLOWS) if k else "none"
+        print(f"    {f:<10} {k:>5}: {cells}")
     adv = form_advantages(steps)
     shown = ("short", "recommend", "opening", "@search")
     print("  mean local advantage per form, normalised in abstract state groups (std units):")

@@ -463,6 +463,30 @@ def test_bench_personal_sorts_messages_by_form_and_counts_their_clause(concierge
     assert re.search(r"hurried · mean +\+0\.00 +— +\+0\.00 +— *\n", out)
 
 
+def test_bench_personal_tells_what_a_recommendation_follows(concierge):
+    """A recommendation of the dish just checked follows its check; one that names another dish
+    right after a check copied the wrong name; one with no check before it is unchecked."""
+    from kitchen.judge import replay
+
+    bench = load_benchmark("bench_personal")
+    actions = [
+        "@search thai",
+        f"@allergens {SAFE}",
+        "Green Curry: 12$, 15 min. Order it?",  # another dish, right after the check
+        f"I recommend {SAFE}.",  # the checked one
+        "I recommend Green Curry.",  # never checked, not right after a check
+    ]
+    _, traj, _ = run(concierge, actions, verbosity="brief")
+    turns = replay(traj)
+    forms = [bench.step_form(t) for t in turns]
+    assert forms == ["@search", "@allergens", "short", "recommend", "recommend"]
+    assert bench.follows(turns, forms) == [
+        ("short", "after checking another"),
+        ("recommend", "its dish checked"),
+        ("recommend", "unchecked, otherwise"),
+    ]
+
+
 def test_bench_personal_advantage_per_form_and_recommendation_drift():
     """What MAPO's local term pays each form: the turns of one abstract state normalised
     together, per local signal; a lone state pays nothing; the first recommendation apart."""
