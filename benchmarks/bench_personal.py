@@ -39,6 +39,7 @@ Two more readings say whether RL *can* move a form:
   local reward for that, not for its length.
 
     .venv/bin/python benchmarks/bench_personal.py runs/demo-seeds sft demo-seeds-mapo-s0
+    .venv/bin/python benchmarks/bench_personal.py --data data/sft/train.jsonl   # the data's forms
 """
 
 from __future__ import annotations
@@ -159,6 +160,31 @@ def follows(turns: list[Turn], forms: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+LONG = re.compile(r"I recommend ([A-Z][\w' -]+?)[,.]")  # `I recommend Pad Thai, ...`
+
+
+def data_follows(path: Path) -> Counter:
+    """`follows` for SFT dialogues (chat JSONL, as `kitchen world sft-data` writes them), read
+    from the text alone: (verbosity, form, whether the dish was checked before) → count."""
+    found: Counter = Counter()
+    for line in path.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        verbosity = re.search(r"verbosity=(\w+)", messages[0]["content"])
+        checked: set[str] = set()
+        for m in messages:
+            text = m["content"].strip() if m["role"] == "assistant" else ""
+            if text.startswith("@allergens "):
+                checked.add(text.removeprefix("@allergens ").strip())
+            elif SHORT.match(text):
+                dish = text.split(":")[0].removeprefix("Try ")
+                found[(verbosity and verbosity.group(1), "short", dish in checked)] += 1
+            elif match := LONG.match(text):
+                found[
+                    (verbosity and verbosity.group(1), "recommend", match.group(1) in checked)
+                ] += 1
+    return found
+
+
 def report(trajs: list[Trajectory], pcs: list, menu) -> None:
     count: dict[str, Counter] = defaultdict(Counter)
     broken: dict[str, Counter] = defaultdict(Counter)
@@ -249,9 +275,21 @@ def report(trajs: list[Trajectory], pcs: list, menu) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("folder", type=Path, help="a `kitchen demo` output folder")
-    ap.add_argument("names", nargs="+", help="policies in its held_out/ (e.g. sft demo-mapo)")
+    ap.add_argument("folder", type=Path, nargs="?", help="a `kitchen demo` output folder")
+    ap.add_argument("names", nargs="*", help="policies in its held_out/ (e.g. sft demo-mapo)")
+    ap.add_argument("--data", type=Path, help="SFT dialogues: how often each form is unchecked")
     args = ap.parse_args()
+    if args.data:
+        found = data_follows(args.data)
+        print(f"{args.data}: recommendations whose dish was not checked before, per form")
+        for v in ("brief", "normal", "detailed"):
+            cells = []
+            for f in RECS:
+                n = found[(v, f, True)] + found[(v, f, False)]
+                cells.append(f"{f} {found[(v, f, False)] / n:.1%} of {n}" if n else f"{f} —")
+            print(f"  {v:<9} " + " · ".join(cells))
+    if not args.folder or not args.names:
+        return
     cfg = EvalConfig(**json.loads((args.folder / "results.json").read_text())["eval"])
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
     menu = load_menu()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -485,6 +486,34 @@ def test_bench_personal_tells_what_a_recommendation_follows(concierge):
         ("recommend", "its dish checked"),
         ("recommend", "unchecked, otherwise"),
     ]
+
+
+def test_bench_personal_reads_the_forms_of_sft_dialogues(tmp_path):
+    """`--data`: each recommendation of an SFT dialogue by the diner's verbosity, its form and
+    whether its dish was checked before it (the short form with or without a leading word)."""
+    bench = load_benchmark("bench_personal")
+
+    def dialogue(verbosity, *turns):
+        system = f"Concierge. Diner: verbosity={verbosity}, pace=relaxed, allergies=none."
+        said = [{"role": "assistant", "content": t} for t in turns]
+        return json.dumps({"messages": [{"role": "system", "content": system}, *said]})
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text(
+        dialogue(
+            "brief", "@allergens Pad Thai", "Pad Thai: 12$, 15 min.", "Green Curry: 9$, 9 min."
+        )
+        + "\n"
+        + dialogue("detailed", "@allergens Tofu Satay", "I recommend Tofu Satay. It has tofu.")
+        + "\n"
+        + dialogue("brief", "@allergens Tofu Satay", "Try Tofu Satay: 9$, 10 min.")
+        + "\n"
+    )
+    assert bench.data_follows(data) == {
+        ("brief", "short", True): 2,  # Pad Thai, and Tofu Satay after its leading word
+        ("brief", "short", False): 1,  # Green Curry, never checked
+        ("detailed", "recommend", True): 1,
+    }
 
 
 def test_bench_personal_advantage_per_form_and_recommendation_drift():
