@@ -54,11 +54,12 @@ from statistics import mean
 import torch
 
 from kitchen.evaluate import EvalConfig, eval_jobs
+from kitchen.files import read_jsonl
 from kitchen.judge import Turn, judge, replay
 from kitchen.mapo import clause_advantages, encode, form_judged, local_advantages
 from kitchen.review import clause_scores, turn_rewards
 from kitchen.train import EpisodeRewards, form_share
-from kitchen.world import Trajectory, load_menu
+from kitchen.world import Trajectory, load_menu, trajectory_from_messages
 
 SHORT = re.compile(r"^[A-Z][^:.!?]*: \d+\$")  # `Dish: 5$, 10 min.`
 FORMS = ("short", "recommend", "opening", "question", "other")
@@ -160,28 +161,18 @@ def follows(turns: list[Turn], forms: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-LONG = re.compile(r"I recommend ([A-Z][\w' -]+?)[,.]")  # `I recommend Pad Thai, ...`
-
-
-def data_follows(path: Path) -> Counter:
-    """`follows` for SFT dialogues (chat JSONL, as `kitchen world sft-data` writes them), read
-    from the text alone: (verbosity, form, whether the dish was checked before) → count."""
+def data_follows(path: Path, menu=None) -> Counter:
+    """`follows` for SFT dialogues (chat JSONL, as `kitchen world sft-data` writes them), each
+    rebuilt as a trajectory and replayed as the judge reads it: (verbosity, form, whether the
+    dish was checked before) → count."""
+    menu = menu or load_menu()
     found: Counter = Counter()
-    for line in path.read_text().splitlines():
-        messages = json.loads(line)["messages"]
+    for row in read_jsonl(path):
+        messages = row["messages"]
         verbosity = re.search(r"verbosity=(\w+)", messages[0]["content"])
-        checked: set[str] = set()
-        for m in messages:
-            text = m["content"].strip() if m["role"] == "assistant" else ""
-            if text.startswith("@allergens "):
-                checked.add(text.removeprefix("@allergens ").strip())
-            elif SHORT.match(text):
-                dish = text.split(":")[0].removeprefix("Try ")
-                found[(verbosity and verbosity.group(1), "short", dish in checked)] += 1
-            elif match := LONG.match(text):
-                found[
-                    (verbosity and verbosity.group(1), "recommend", match.group(1) in checked)
-                ] += 1
+        turns = replay(trajectory_from_messages(messages), menu)
+        for f, what in follows(turns, [step_form(t) for t in turns]):
+            found[(verbosity and verbosity.group(1), f, what == FOLLOWS[0])] += 1
     return found
 
 

@@ -304,7 +304,8 @@ def test_every_link_in_the_readme_and_docs_leads_somewhere(tmp_path):
     the checker itself flags a missing file and a missing anchor."""
     pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
     assert DOCS / "results.md" in pages
-    assert not broken_links(pages), "\n".join(broken_links(pages))
+    bad = broken_links(pages)
+    assert not bad, "\n".join(bad)
     page = tmp_path / "page.md"
     page.write_text("## A heading\n[ok](#a-heading) [gone](nowhere.md) [lost](#no-heading)\n")
     assert [line.split(": ", 1)[1] for line in broken_links([page])] == [

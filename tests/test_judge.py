@@ -490,7 +490,8 @@ def test_bench_personal_tells_what_a_recommendation_follows(concierge):
 
 def test_bench_personal_reads_the_forms_of_sft_dialogues(tmp_path):
     """`--data`: each recommendation of an SFT dialogue by the diner's verbosity, its form and
-    whether its dish was checked before it (the short form with or without a leading word)."""
+    whether its dish was checked before it (the short form with or without a leading word), read
+    as the judge replays the dialogue."""
     bench = load_benchmark("bench_personal")
 
     def dialogue(verbosity, *turns):
@@ -500,9 +501,7 @@ def test_bench_personal_reads_the_forms_of_sft_dialogues(tmp_path):
 
     data = tmp_path / "sft.jsonl"
     data.write_text(
-        dialogue(
-            "brief", "@allergens Pad Thai", "Pad Thai: 12$, 15 min.", "Green Curry: 9$, 9 min."
-        )
+        dialogue("brief", f"@allergens {SAFE}", f"{SAFE}: 7$, 10 min.", "Green Curry: 9$, 9 min.")
         + "\n"
         + dialogue("detailed", "@allergens Tofu Satay", "I recommend Tofu Satay. It has tofu.")
         + "\n"
@@ -510,7 +509,7 @@ def test_bench_personal_reads_the_forms_of_sft_dialogues(tmp_path):
         + "\n"
     )
     assert bench.data_follows(data) == {
-        ("brief", "short", True): 2,  # Pad Thai, and Tofu Satay after its leading word
+        ("brief", "short", True): 2,  # SAFE, and Tofu Satay after its leading word
         ("brief", "short", False): 1,  # Green Curry, never checked
         ("detailed", "recommend", True): 1,
     }
