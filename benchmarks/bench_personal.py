@@ -57,6 +57,7 @@ from kitchen.evaluate import EvalConfig, eval_jobs
 from kitchen.files import read_jsonl
 from kitchen.judge import Turn, judge, replay
 from kitchen.mapo import clause_advantages, encode, form_judged, local_advantages
+from kitchen.models import profile_tag
 from kitchen.review import clause_scores, turn_rewards
 from kitchen.train import EpisodeRewards, form_share
 from kitchen.world import Trajectory, load_menu, trajectory_from_messages
@@ -169,10 +170,10 @@ def data_follows(path: Path, menu=None) -> Counter:
     found: Counter = Counter()
     for row in read_jsonl(path):
         messages = row["messages"]
-        verbosity = re.search(r"verbosity=(\w+)", messages[0]["content"])
+        verbosity = (profile_tag(messages) or "none").split()[0]  # `brief hurried` → brief
         turns = replay(trajectory_from_messages(messages), menu)
         for f, what in follows(turns, [step_form(t) for t in turns]):
-            found[(verbosity and verbosity.group(1), f, what == FOLLOWS[0])] += 1
+            found[(verbosity, f, what == FOLLOWS[0])] += 1
     return found
 
 
