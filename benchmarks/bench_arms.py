@@ -7,7 +7,8 @@ in `--cache` so a rerun plays only new arms) and print, per arm: the win rate ov
 on all episodes and per task kind, success, compliance, axiom violations, and the personal clause
 of each profile group (T3 for brief, T6 for detailed, T4 for hurried diners, with intervals);
 then every pair of arms head to head. `--out FILE` writes it all as JSON. An arm can also be a
-whole model folder — another cold start (`kitchen sft`'s `final/`) against the shipped one.
+whole model folder — another cold start (`kitchen sft`'s `final/`) against the shipped one — or
+a saved adapter such as `data/models/mapo-tiny` (the main job's seed-0 run as shipped).
 
     kitchen cook my_arm.yaml      # e.g. recipes/tiny_mapo.yaml with reward.local_mode: violations
     .venv/bin/python benchmarks/bench_arms.py --tasks 300 base=runs/tiny-mapo arm=runs/my-arm

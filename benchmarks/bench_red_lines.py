@@ -1,9 +1,13 @@
 """Where a policy breaks the red lines, and whether it reads its own allergen checks. For #14.
 
 Not a test. Reads the held-out episodes `kitchen demo` keeps (`runs/<out>/held_out/<name>.json`,
-played on the jobs of `runs/<out>/results.json`'s evaluation settings) and reports, per policy:
+played on the jobs of `runs/<out>/results.json`'s evaluation settings) or `bench_arms.py` keeps
+(`runs/arms`, its default settings) and reports, per policy:
 
 - axiom violations per axiom and task kind (the rule judge);
+- why each A3 violation named a dish no search returned, by the turn that named it (a message,
+  `@allergens`, `@order`): no dish of the menu, a dish of another course or cuisine, or the
+  right course and cuisine never searched (`a3_reasons`);
 - what the policy does right after an `@allergens` check, for allergic diners, by what the check
   found — *unsafe* (the dish holds one of the diner's allergens) or *safe*: recommend that very
   dish, check another, anything else. A policy that reads its checks recommends after a safe
@@ -31,6 +35,7 @@ diners), and `--samples runs/<run>/samples.jsonl` averages the local reward of a
 turn after a check, by what the check found and what the turn did.
 
     .venv/bin/python benchmarks/bench_red_lines.py runs/demo-seeds sft demo-seeds-mapo-s0
+    .venv/bin/python benchmarks/bench_red_lines.py runs/arms sft mapo   # after bench_arms.py
     .venv/bin/python benchmarks/bench_red_lines.py runs/demo-seeds demo-seeds-mapo-s0 --grm 80
     .venv/bin/python benchmarks/bench_red_lines.py --diners data/models/policy-tiny
     .venv/bin/python benchmarks/bench_red_lines.py --probe data/models/policy-tiny
@@ -53,7 +58,7 @@ import torch
 from kitchen.evaluate import EvalConfig, eval_jobs
 from kitchen.files import read_jsonl
 from kitchen.judge import Turn, judge, replay
-from kitchen.world import Trajectory, load_menu
+from kitchen.world import Task, Trajectory, load_menu
 
 AXIOMS = ("A1", "A3", "A4")
 ALLERGIES = re.compile(r"allergies=([\w,]+)")
@@ -74,6 +79,32 @@ def after_check(turns: list[Turn], allergies: set[str]) -> list[tuple[str, str, 
         else:
             did = "other"
         out.append((found, did, nxt.index))
+    return out
+
+
+def a3_reasons(turns: list[Turn], task: Task) -> Counter:
+    """Why each A3 violation of an episode named a dish no search returned, by the turn that
+    broke it (`say`, `@allergens`, `@order`): no dish of the menu at all (a name garbled in
+    copying; only a tool call can name one — a message's dishes are the menu's names it holds),
+    a dish of another course, of another cuisine than the diner's, or of the right course and
+    cuisine (returned by no search because the search that would return it was never made)."""
+    out = Counter()
+    for t in turns:
+        how = f"@{t.tool}" if t.tool else t.kind
+        if t.unknown_dish:
+            out[(how, "no dish of the menu")] += 1
+            continue
+        missing = [d for d in t.named if d.name not in t.returned]
+        if not missing:
+            continue
+        course = next((c for c in t.courses if c not in t.served), "main")
+        d = missing[0]
+        if d.course != course:
+            out[(how, "another course")] += 1
+        elif task.wanted_cuisine and d.cuisine != task.wanted_cuisine:
+            out[(how, "another cuisine")] += 1
+        else:
+            out[(how, "the right course and cuisine, unsearched")] += 1
     return out
 
 
@@ -145,24 +176,38 @@ def shares(counts: Counter) -> str:
 
 
 def held_out(folder: Path, names: list[str], grm_episodes: int) -> None:
-    cfg = EvalConfig(**json.loads((folder / "results.json").read_text())["eval"])
+    results = folder / "results.json"
+    if results.exists():
+        cfg = EvalConfig(**json.loads(results.read_text())["eval"])
+    else:  # bench_arms.py's folder (runs/arms): its default settings
+        cfg = EvalConfig(tasks=300, samples=2, long_share=0.5)
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
     menu = load_menu()
     for name in names:
         rows = json.loads((folder / "held_out" / f"{name}.json").read_text())["episodes"]["policy"]
+        if len(rows) != len(pcs):
+            raise SystemExit(
+                f"{folder / 'held_out' / name}.json: {len(rows)} episodes, but the evaluation "
+                f"settings ({cfg.tasks} tasks × {cfg.samples}) play {len(pcs)}"
+            )
         trajs = [Trajectory.model_validate(r) for r in rows]
-        violations, checks = Counter(), Counter()
+        violations, checks, a3 = Counter(), Counter(), Counter()
         for traj, pc in zip(trajs, pcs, strict=True):
+            turns = replay(traj, menu)
+            a3.update(a3_reasons(turns, traj.task))
             for v in judge(traj, pc, menu).violations():
                 if v.clause.startswith("A"):
                     violations[(v.clause, "meal" if traj.task.courses else "dish")] += 1
             allergies = set(pc.dimensions.get("allergies") or [])
-            for found, did, _ in after_check(replay(traj, menu), allergies):
+            for found, did, _ in after_check(turns, allergies):
                 checks[(found, did)] += 1
         total = sum(violations.values())
         print(f"{name}: {len(trajs)} episodes, {total} axiom violations")
         for (clause, kind), n in sorted(violations.items()):
             print(f"  {clause} {kind}: {n}")
+        print("  A3, the dish no search returned, by the turn that named it:")
+        for (how, why), n in sorted(a3.items()):
+            print(f"    {how}, {why}: {n}")
         print(shares(checks))
         if grm_episodes:
             grm_recall(trajs[:grm_episodes], pcs[:grm_episodes], menu)

@@ -352,9 +352,13 @@ HELD_OUT_VERSION = 1  # raise it when a change to the code that plays or judges 
 
 
 def _full_model(name: str, where: str | Path) -> bool:
-    """Whether `where` is a whole model to load as it is (the SFT policy, or another SFT
-    checkpoint played as an arm) rather than a training run or one of its checkpoints."""
-    return name == "sft" or (Path(where) / "model.safetensors").exists()
+    """Whether `where` is a model to load as it is — the SFT policy, another SFT checkpoint, or a
+    saved adapter such as `data/models/mapo-tiny` (`load_model` loads its base first), played as
+    an arm — rather than a training run or one of its checkpoints."""
+    folder = Path(where)
+    return name == "sft" or any(
+        (folder / f).exists() for f in ("model.safetensors", "adapter_config.json")
+    )
 
 
 def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> tuple[str, int]:
@@ -378,6 +382,8 @@ def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> tuple[str, int
             h.update(json.dumps(models_digest(yaml.safe_load(recipe.read_text()))).encode())
     for f in sorted(folder.rglob("*.safetensors")) if folder else []:
         h.update(f.read_bytes())
+    if folder and (folder / "adapter_config.json").exists():  # an adapter: its base too
+        h.update((folder / "adapter_config.json").read_bytes())
     return h.hexdigest()[:16], len(jobs) * cfg.samples
 
 

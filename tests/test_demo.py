@@ -264,6 +264,28 @@ def test_held_out_episodes_are_kept_and_replayed_only_when_their_key_changes(tmp
         demo.held_out(sft, cfg, False, 1, tmp_path / "kept")
 
 
+def test_a_saved_adapter_plays_as_an_arm_and_its_weights_key_its_episodes(tmp_path):
+    """A saved adapter (data/models/mapo-tiny: base + LoRA, not a run folder) plays the held-out
+    jobs as an arm, as `bench_arms.py mapo=data/models/mapo-tiny` asks; its episodes are keyed
+    by its weights, so a changed adapter under the same path plays again."""
+    import shutil
+
+    from kitchen.evaluate import EvalConfig
+
+    adapter = tmp_path / "mapo-tiny"
+    shutil.copytree(paths.DATA / "models" / "mapo-tiny", adapter)
+    cfg = EvalConfig(tasks=1, samples=1, long_share=0.0, bootstrap=100)
+    assert demo._full_model("rl", adapter) and not demo._full_model("rl", tmp_path)
+    key, played = demo._played_key("rl", adapter, cfg)
+    results, eps = demo.held_out(
+        {"sft": paths.DATA / "models" / "policy-tiny", "rl": adapter}, cfg, False, 1
+    )
+    assert played == 1 and len(eps["rl"]["policy"]) == 1 and "rl" in results
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b" ")
+    assert demo._played_key("rl", adapter, cfg)[0] != key
+
+
 def test_the_shipped_mapo_adapter_is_the_main_jobs_run_and_moves_the_policy():
     """data/models/mapo-tiny (notebook 06's RL policy) was trained by today's main-job recipe, and
     it changes the SFT policy's next-token distribution. A change to recipes/tiny_mapo.yaml fails

@@ -437,6 +437,30 @@ def test_t6_counts_different_words_so_padding_is_not_a_description(concierge):
     assert distinct_word_count("Ten ten TEN ten.") == 2 and word_count("Ten ten TEN ten.") == 4
 
 
+def test_bench_red_lines_tells_why_a3_named_an_unreturned_dish(concierge):
+    """benchmarks/bench_red_lines.py's `a3_reasons`: each A3 violation by the turn that broke it
+    and what the dish was — no dish at all, another course, another cuisine, or the right
+    course and cuisine that no search was made for."""
+    from kitchen.judge import replay
+
+    bench = load_benchmark("bench_red_lines")
+    actions = [
+        "I recommend Butter Chicken.",  # an Indian main: another cuisine than the diner's thai
+        f"I recommend {SAFE}.",  # the right course and cuisine, before any search
+        "@allergens Mango Kulfi",  # an Indian dessert: another course
+        "@allergens Hot Sour Kofta",  # no dish of the menu
+        "@search thai",
+        f"I recommend {SAFE}.",  # returned now: no violation
+    ]
+    _, traj, _ = run(concierge, actions)
+    assert bench.a3_reasons(replay(traj), traj.task) == {
+        ("say", "another cuisine"): 1,
+        ("say", "the right course and cuisine, unsearched"): 1,
+        ("@allergens", "another course"): 1,
+        ("@allergens", "no dish of the menu"): 1,
+    }
+
+
 def test_bench_personal_sorts_messages_by_form_and_counts_their_clause(concierge, capsys):
     """benchmarks/bench_personal.py (the #14 reading of held-out episodes): a hurried diner's
     greeting is an opening line that breaks T4, the search after it is the first action of
