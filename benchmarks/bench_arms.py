@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=300, help="held-out tasks (default 300)")
     ap.add_argument("--samples", type=int, default=2, help="episodes per task (default 2)")
     ap.add_argument("--long", type=float, default=0.5, help="share of meals (default 0.5)")
+    ap.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)"
+    )
     ap.add_argument("--cache", type=Path, default=paths.RUNS / "arms" / "held_out")
     ap.add_argument("--out", type=Path, help="also write the results as JSON")
     args = ap.parse_args()
@@ -44,7 +47,9 @@ def main() -> None:
         if not sep or not name or name == "sft":
             ap.error(f"{item!r}: give NAME=RUN_FOLDER (a name other than 'sft')")
         arms[name] = Path(folder)
-    cfg = EvalConfig(tasks=args.tasks, samples=args.samples, long_share=args.long)
+    cfg = EvalConfig(
+        tasks=args.tasks, samples=args.samples, long_share=args.long, temperature=args.temperature
+    )
     policies = {"sft": paths.DATA / "models" / "policy-tiny", **arms}
     held, trajs = held_out(policies, cfg, cache=args.cache, unguarded=set(policies))
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
