@@ -382,8 +382,9 @@ def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> tuple[str, int
             h.update(json.dumps(models_digest(yaml.safe_load(recipe.read_text()))).encode())
     for f in sorted(folder.rglob("*.safetensors")) if folder else []:
         h.update(f.read_bytes())
-    if folder and (folder / "adapter_config.json").exists():  # an adapter: its base too
-        h.update((folder / "adapter_config.json").read_bytes())
+    if folder and (folder / "adapter_config.json").exists():  # a saved adapter: its base too
+        base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+        h.update(json.dumps(models_digest({"policy": {"path": base}})).encode())
     return h.hexdigest()[:16], len(jobs) * cfg.samples
 
 

@@ -283,7 +283,18 @@ def test_a_saved_adapter_plays_as_an_arm_and_its_weights_key_its_episodes(tmp_pa
     assert played == 1 and len(eps["rl"]["policy"]) == 1 and "rl" in results
     weights = adapter / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes() + b" ")
-    assert demo._played_key("rl", adapter, cfg)[0] != key
+    changed = demo._played_key("rl", adapter, cfg)[0]
+    assert changed != key
+    # the same adapter on another base (a re-trained SFT policy) plays again too
+    base = tmp_path / "policy-tiny"
+    shutil.copytree(paths.DATA / "models" / "policy-tiny", base)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(base)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    on_copy = demo._played_key("rl", adapter, cfg)[0]
+    base_weights = next(base.glob("*.safetensors"))
+    base_weights.write_bytes(base_weights.read_bytes() + b" ")
+    assert demo._played_key("rl", adapter, cfg)[0] != on_copy
 
 
 def test_the_shipped_mapo_adapter_is_the_main_jobs_run_and_moves_the_policy():
