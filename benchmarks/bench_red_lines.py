@@ -82,24 +82,22 @@ def after_check(turns: list[Turn], allergies: set[str]) -> list[tuple[str, str, 
     return out
 
 
-def a3_reasons(turns: list[Turn], task: Task) -> Counter:
-    """Why each A3 violation of an episode named a dish no search returned, by the turn that
-    broke it (`say`, `@allergens`, `@order`): no dish of the menu at all (a name garbled in
-    copying; only a tool call can name one — a message's dishes are the menu's names it holds),
-    a dish of another course, of another cuisine than the diner's, or of the right course and
-    cuisine (returned by no search because the search that would return it was never made)."""
+def a3_reasons(turns: list[Turn], task: Task, broken: set[int]) -> Counter:
+    """Why each A3 violation of an episode (`broken`: the turns the judge found breaking A3) named
+    a dish no search returned, by the turn that broke it (`say`, `@allergens`, `@order`): no dish
+    of the menu at all (a name garbled in copying; only a tool call can name one — a message's
+    dishes are the menu's names it holds), a dish of another course, of another cuisine than the
+    diner's, or of the right course and cuisine (returned by no search because the search that
+    would return it was never made)."""
     out = Counter()
     for t in turns:
+        if t.index not in broken:
+            continue
         how = f"@{t.tool}" if t.tool else t.kind
-        if t.unknown_dish:
+        d = next((d for d in t.named if d.name not in t.returned), None)
+        if t.unknown_dish or d is None:
             out[(how, "no dish of the menu")] += 1
-            continue
-        missing = [d for d in t.named if d.name not in t.returned]
-        if not missing:
-            continue
-        course = next((c for c in t.courses if c not in t.served), "main")
-        d = missing[0]
-        if d.course != course:
+        elif d.course != next((c for c in t.courses if c not in t.served), "main"):
             out[(how, "another course")] += 1
         elif task.wanted_cuisine and d.cuisine != task.wanted_cuisine:
             out[(how, "another cuisine")] += 1
@@ -193,9 +191,9 @@ def held_out(folder: Path, names: list[str], grm_episodes: int) -> None:
         trajs = [Trajectory.model_validate(r) for r in rows]
         violations, checks, a3 = Counter(), Counter(), Counter()
         for traj, pc in zip(trajs, pcs, strict=True):
-            turns = replay(traj, menu)
-            a3.update(a3_reasons(turns, traj.task))
-            for v in judge(traj, pc, menu).violations():
+            turns, broken = replay(traj, menu), judge(traj, pc, menu).violations()
+            a3.update(a3_reasons(turns, traj.task, {v.turn for v in broken if v.clause == "A3"}))
+            for v in broken:
                 if v.clause.startswith("A"):
                     violations[(v.clause, "meal" if traj.task.courses else "dish")] += 1
             allergies = set(pc.dimensions.get("allergies") or [])

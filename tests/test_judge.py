@@ -452,8 +452,10 @@ def test_bench_red_lines_tells_why_a3_named_an_unreturned_dish(concierge):
         "@search thai",
         f"I recommend {SAFE}.",  # returned now: no violation
     ]
-    _, traj, _ = run(concierge, actions)
-    assert bench.a3_reasons(replay(traj), traj.task) == {
+    review, traj, _ = run(concierge, actions)
+    broken = {v.turn for v in review.violations() if v.clause == "A3"}
+    assert broken == {0, 1, 2, 3}
+    assert bench.a3_reasons(replay(traj), traj.task, broken) == {
         ("say", "another cuisine"): 1,
         ("say", "the right course and cuisine, unsearched"): 1,
         ("@allergens", "another course"): 1,
