@@ -28,7 +28,8 @@ temperature 1 — recommend the checked dish, check another, anything else — b
 found: one of the diner's allergens, only other allergens, or none. A policy that reads the
 allergy list treats the last two alike; one that only reads the check's reply does not. The
 same contexts for every policy, so a cold start can be compared before any RL (about two
-minutes per policy on one core).
+minutes per policy on one core). `--temperature 0` asks for the policy's most likely turn instead
+(one answer per check): is a wrong answer the tail of the distribution, or its mode?
 
 `--data data/sft/train.jsonl` counts the safe and unsafe checks of SFT dialogues (allergic
 diners), and `--samples runs/<run>/samples.jsonl` averages the local reward of a training run's
@@ -39,6 +40,7 @@ turn after a check, by what the check found and what the turn did.
     .venv/bin/python benchmarks/bench_red_lines.py runs/demo-seeds demo-seeds-mapo-s0 --grm 80
     .venv/bin/python benchmarks/bench_red_lines.py --diners data/models/policy-tiny
     .venv/bin/python benchmarks/bench_red_lines.py --probe data/models/policy-tiny
+    .venv/bin/python benchmarks/bench_red_lines.py --probe data/models/policy-tiny --temperature 0
     .venv/bin/python benchmarks/bench_red_lines.py --data data/sft/train.jsonl
     .venv/bin/python benchmarks/bench_red_lines.py --samples runs/demo-seeds-mapo-s0/samples.jsonl
 """
@@ -116,9 +118,11 @@ def next_turn(text: str, dish: str) -> str:
     return "other"
 
 
-def probe(policy: str, dialogues: Path, answers: int, seed: int = 0) -> None:
+def probe(
+    policy: str, dialogues: Path, answers: int, seed: int = 0, temperature: float = 1.0
+) -> None:
     """The policy's next turn after every allergen check of an allergic diner in `dialogues`
-    (module docstring)."""
+    (module docstring); at `temperature` 0 its most likely turn, once per check."""
     from kitchen.models import ModelSpec, load_model, replies
     from kitchen.train import load_run_policy
 
@@ -150,11 +154,12 @@ def probe(policy: str, dialogues: Path, answers: int, seed: int = 0) -> None:
                 msgs[: i + 1],
                 n=answers,
                 max_new_tokens=32,
-                temperature=1.0,
+                temperature=temperature,
                 seed=seed + seen,
             ):
                 counts[(found, next_turn(text, dish))] += 1
-    print(f"{policy}: the next turn after an allergen check, {answers} answers per check")
+    how = "its most likely turn" if temperature == 0 else f"{answers} answers per check"
+    print(f"{policy}: the next turn after an allergen check, {how}")
     print(shares(counts))
     print(f"  the scripted agent in {dialogues}:")
     print(shares(written))
@@ -313,6 +318,12 @@ def main() -> None:
         help="held-out SFT dialogues for --probe (default data/sft/eval.jsonl)",
     )
     ap.add_argument("--answers", type=int, default=4, help="answers per check for --probe")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature for --probe (default 1.0; 0: the most likely turn, once)",
+    )
     ap.add_argument("--data", type=Path, help="SFT dialogues (JSONL) to count checks in")
     ap.add_argument("--samples", type=Path, help="a training run's samples.jsonl")
     args = ap.parse_args()
@@ -321,7 +332,10 @@ def main() -> None:
     if args.diners:
         diners(args.diners, args.tasks)
     for policy in args.probe or ():
-        probe(policy, args.dialogues, args.answers)
+        if args.temperature < 0:
+            ap.error(f"--temperature {args.temperature}: give 0 (the most likely turn) or more")
+        answers = 1 if args.temperature == 0 else args.answers
+        probe(policy, args.dialogues, answers, temperature=args.temperature)
     if args.data:
         sft_data(args.data)
     if args.samples:

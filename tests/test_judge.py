@@ -7,7 +7,9 @@ import re
 
 import pytest
 
+from kitchen import paths
 from kitchen.constitution import personalize
+from kitchen.files import read_jsonl
 from kitchen.judge import judge
 from kitchen.profile import Profile
 from kitchen.review import clause_pass_rates, clause_scores, global_reward, turn_rewards
@@ -602,9 +604,6 @@ def test_bench_personal_advantage_per_form_and_recommendation_drift():
 def test_bench_form_history_rewrites_and_probes(tmp_path):
     """benchmarks/bench_form_history.py: the two rewrites invert each other, only the earlier
     recommendations are rewritten, and every (verbosity, variant) cell's shares add up to 1."""
-    import json
-
-    from kitchen import paths
     from kitchen.models import ModelSpec, load_model
 
     bench = load_benchmark("bench_form_history")
@@ -630,3 +629,37 @@ def test_bench_form_history_rewrites_and_probes(tmp_path):
     shares = bench.probe(policy, rows, 1, 2)
     assert len(shares) == 3
     assert all(abs(sum(s.values()) - 1) < 1e-9 for s in shares.values())
+
+
+def test_bench_red_lines_probe_asks_each_check_once_for_the_most_likely_turn(tmp_path, capsys):
+    """`bench_red_lines.py --probe POLICY --temperature 0`: one answer per allergen check of an
+    allergic diner, the policy's most likely turn — the same on every run; sampled, `answers`
+    per check."""
+    bench = load_benchmark("bench_red_lines")
+    rows, checks = [], 0
+    for row in read_jsonl(paths.DATA / "sft" / "eval.jsonl"):
+        msgs = row["messages"]
+        if not bench.allergies_in(msgs[0]["content"]):
+            continue
+        n = sum(m["role"] == "tool" and "; allergens: " in m["content"] for m in msgs[:-1])
+        if n:
+            rows.append(row)
+            checks += n
+        if len(rows) == 2:
+            break
+    dialogues = tmp_path / "two.jsonl"
+    dialogues.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    policy = str(paths.DATA / "models" / "policy-tiny")
+
+    def probed(answers: int, temperature: float) -> str:
+        bench.probe(policy, dialogues, answers, temperature=temperature)
+        out = capsys.readouterr().out
+        policy_part = out.split("the scripted agent")[0]
+        asked = sum(int(n) for n in re.findall(r"found the dish [^(]+\((\d+)\)", policy_part))
+        assert asked == checks * answers, out
+        return out
+
+    greedy = probed(1, 0.0)
+    assert "its most likely turn" in greedy
+    assert probed(1, 0.0) == greedy
+    assert "2 answers per check" in probed(2, 1.0)
