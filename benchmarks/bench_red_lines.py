@@ -126,6 +126,8 @@ def probe(
     from kitchen.models import ModelSpec, load_model, replies
     from kitchen.train import load_run_policy
 
+    answers = 1 if temperature == 0 else answers
+
     folder = Path(policy)
     is_run = (folder / "checkpoints").is_dir()
     model, tok = load_run_policy(folder) if is_run else load_model(ModelSpec(path=policy))
@@ -334,8 +336,7 @@ def main() -> None:
     for policy in args.probe or ():
         if args.temperature < 0:
             ap.error(f"--temperature {args.temperature}: give 0 (the most likely turn) or more")
-        answers = 1 if args.temperature == 0 else args.answers
-        probe(policy, args.dialogues, answers, temperature=args.temperature)
+        probe(policy, args.dialogues, args.answers, temperature=args.temperature)
     if args.data:
         sft_data(args.data)
     if args.samples:
