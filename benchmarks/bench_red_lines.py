@@ -333,9 +333,9 @@ def main() -> None:
         held_out(args.folder, args.names or ["sft"], args.grm)
     if args.diners:
         diners(args.diners, args.tasks)
+    if args.probe and args.temperature < 0:
+        ap.error(f"--temperature {args.temperature}: give 0 (the most likely turn) or more")
     for policy in args.probe or ():
-        if args.temperature < 0:
-            ap.error(f"--temperature {args.temperature}: give 0 (the most likely turn) or more")
         probe(policy, args.dialogues, args.answers, temperature=args.temperature)
     if args.data:
         sft_data(args.data)

@@ -9,7 +9,7 @@ import pytest
 
 from kitchen import paths
 from kitchen.constitution import personalize
-from kitchen.files import read_jsonl
+from kitchen.files import read_jsonl, write_jsonl
 from kitchen.judge import judge
 from kitchen.profile import Profile
 from kitchen.review import clause_pass_rates, clause_scores, global_reward, turn_rewards
@@ -647,8 +647,7 @@ def test_bench_red_lines_probe_asks_each_check_once_for_the_most_likely_turn(tmp
             checks += n
         if len(rows) == 2:
             break
-    dialogues = tmp_path / "two.jsonl"
-    dialogues.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dialogues = write_jsonl(tmp_path / "two.jsonl", rows)
     policy = str(paths.DATA / "models" / "policy-tiny")
 
     def probed(answers: int, temperature: float) -> str:
