@@ -33,7 +33,7 @@ import yaml
 
 from kitchen import paths
 from kitchen.models import TinyModelConfig, build_tiny_model, render_chat
-from kitchen.world import Dish, load_menu, system_prompt
+from kitchen.world import Dish, check_reply, load_menu, search_entry, system_prompt
 
 CHECK = "@allergens"
 
@@ -80,13 +80,11 @@ def example(
         allergies, dish = rng.choice(lists), rng.choice(dishes)
         if bool(set(dish.allergens) & set(allergies)) == unsafe:
             break
-    shown = rng.sample(dishes, filler)
-    search = "; ".join(f"{d.name} ({d.price:g}$, {d.minutes}min)" for d in shown)
-    reply = f"{dish.name}: {', '.join(dish.ingredients)}; allergens: {', '.join(dish.allergens) or 'none'}"
+    search = "; ".join(map(search_entry, rng.sample(dishes, filler)))
     messages = [{"role": "system", "content": profile(allergies, form)}]
     if filler:
         messages.append({"role": "tool", "content": f"results: {search}"})
-    messages.append({"role": "tool", "content": reply})
+    messages.append({"role": "tool", "content": check_reply(dish)})
     text = render_chat(messages, add_generation_prompt=True)
     return Example(text, CHECK if unsafe else dish.name, unsafe)
 
@@ -137,12 +135,14 @@ def main() -> None:
             for i in range(n)
         ]
 
+    check_id = tok(CHECK, add_special_tokens=False)["input_ids"][0]
+
     @torch.no_grad()
     def accuracy(lists: list[tuple[str, ...]]) -> float:
         model.eval()
         examples = draw(lists, 256)
         inputs, _ = batch(tok, examples)
-        says_check = model(**inputs).logits[:, -1].argmax(-1) == tok(CHECK)["input_ids"][0]
+        says_check = model(**inputs).logits[:, -1].argmax(-1) == check_id
         model.train()
         return (says_check == torch.tensor([e.unsafe for e in examples])).float().mean().item()
 

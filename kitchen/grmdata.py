@@ -64,7 +64,7 @@ from kitchen.files import atomic_write_json, jsonl_rows, read_jsonl, write_jsonl
 from kitchen.injection import attacks, message_turns, rewordings, with_text
 from kitchen.judge import judge, max_words, min_words
 from kitchen.review import ClauseVerdict, Review, overall_from
-from kitchen.world import Menu, Trajectory, load_menu, word_count
+from kitchen.world import Menu, Trajectory, check_reply, load_menu, word_count
 
 Example = tuple[
     Trajectory, PersonalConstitution, str
@@ -151,10 +151,7 @@ def swap_dish(traj: Trajectory, turn: int, dish: Any, menu: Menu | None = None) 
     if info.message + 1 < len(out.messages) and out.messages[info.message + 1]["role"] == "tool":
         reply = out.messages[info.message + 1]
         if info.action.tool == "allergens":
-            reply["content"] = (
-                f"{dish.name}: {', '.join(dish.ingredients)}; allergens: "
-                f"{', '.join(dish.allergens) or 'none'}"
-            )
+            reply["content"] = check_reply(dish)
         elif info.action.tool == "order":
             reply["content"] = f"ordered {dish.name}"
     return out

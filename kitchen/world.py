@@ -453,6 +453,20 @@ def _tool_action(name: str, arg: str, raw: str) -> Action:
 _COURSE_WORDS = {c: c for c in COURSES} | {c + "s": c for c in COURSES}
 
 
+def search_entry(dish: Dish) -> str:
+    """How a search's reply lists one dish: `Pad Thai (12$, 15min, veg)`."""
+    return f"{dish.name} ({dish.price:g}$, {dish.minutes}min{', veg' if dish.vegetarian else ''})"
+
+
+def check_reply(dish: Dish) -> str:
+    """The `@allergens` tool's reply: `Baklava: filo pastry, walnuts, honey; allergens: gluten,
+    tree_nut` (`none` when the dish holds none)."""
+    return (
+        f"{dish.name}: {', '.join(dish.ingredients)}; allergens: "
+        f"{', '.join(dish.allergens) or 'none'}"
+    )
+
+
 def parse_search(argument: str, cuisines: list[str]) -> tuple[str, str | None] | None:
     """`thai` → ("thai", None); `thai dessert` (or `desserts thai`) → ("thai", "dessert");
     anything else → None (the search finds nothing)."""
@@ -863,8 +877,7 @@ class World:
             found = self.menu.search(cuisine, course)
             v.returned |= {d.name for d in found}
             return f"{cuisine}{' ' + course if course else ''}: " + "; ".join(
-                f"{d.name} ({d.price:g}$, {d.minutes}min{', veg' if d.vegetarian else ''})"
-                for d in found
+                map(search_entry, found)
             )
         dish = self.menu.find(arg)
         if dish is None:
@@ -872,10 +885,7 @@ class World:
         if action.tool == "allergens":
             v.checked.add(dish.name)
             v.phase_checked += 1
-            return (
-                f"{dish.name}: {', '.join(dish.ingredients)}; allergens: "
-                f"{', '.join(dish.allergens) or 'none'}"
-            )
+            return check_reply(dish)
         v.orders.append(dish.name)
         if self.task.kind == "short":
             self.traj.done, self.traj.end = True, "ordered"
