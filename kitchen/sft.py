@@ -49,11 +49,20 @@ Departures and choices:
    that is a file or a shared folder (runs/ itself, the kit's, home), a "tiny" model of more
    than `MAX_TINY_PARAMETERS`, and a loss that turns NaN or infinite (before final/ is
    written, so nothing garbage is saved as a model).
+7. `decision_weight` weighs the first token of each turn that follows an allergen check — the
+   decision to recommend the dish or check another — above the rest (`weighted_token_loss`).
+   In plain assistant-only loss that one token is under 3% of a dialogue's trained tokens, and
+   the tiny policy did not fit it even on its training dialogues, while the same model trained
+   on that decision alone learnt it (`benchmarks/bench_read_check.py`). The logged training
+   loss is then the weighted one (larger than a plain run's); the held-out loss is never
+   weighted, so it compares across runs. TRL has no per-token weight, so training at a weight
+   above 1 computes its own loss (TRL's token-accuracy and entropy metrics are not logged then).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import shutil
@@ -256,6 +265,22 @@ class SFTRecipe(StrictModel):
     )
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    decision_weight: float = Field(
+        1.0,
+        ge=1,
+        le=1000,
+        description="Loss weight of a decision token: the first token of each assistant turn "
+        "that follows a turn opening with `decision_after` (by default the turn after an "
+        "allergen check: recommend the dish, or check another). 1 (default): plain "
+        "assistant-only loss. Every other token keeps weight 1, the loss stays a sum over the "
+        "batch's assistant tokens divided by their number, and the held-out loss is never "
+        "weighted.",
+    )
+    decision_after: str = Field(
+        "@allergens",
+        min_length=1,
+        description="The action whose following turn is a decision (see `decision_weight`).",
+    )
     max_length: int = Field(
         1024,
         ge=16,
@@ -513,6 +538,84 @@ def add_tokens(model: Any, tokenizer: Any, strings: Sequence[str]) -> int:
     return added
 
 
+IGNORE = -100  # the label of a token that is context, not trained (the transformers convention)
+
+
+def decision_mask(labels: torch.Tensor, after: Sequence[int]) -> torch.Tensor:
+    """True at the first trained token of each assistant turn whose previous assistant turn opens
+    with the token ids `after` (e.g. the turn after `@allergens DISH`: the decision it informs).
+
+    `labels` is a `[batch, length]` tensor of token ids with `IGNORE` on context. Assistant turns
+    are the maximal runs of trained labels: the context between two turns (the tool's reply, the
+    next header) is never trained, so each run is one turn.
+    """
+    trained = labels != IGNORE
+    starts = trained.clone()
+    starts[:, 1:] &= ~trained[:, :-1]
+    mask = torch.zeros_like(trained)
+    after = list(after)
+    for row in range(labels.shape[0]):
+        turns = starts[row].nonzero().flatten().tolist()
+        for prev, cur in itertools.pairwise(turns):
+            if labels[row, prev : prev + len(after)].tolist() == after:
+                mask[row, cur] = True
+    return mask
+
+
+def weighted_token_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    num_tokens: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The assistant-only loss with a weight per token:
+
+        L = Σ_t w_t · −log π(y_t | y_<t) / N
+
+    over the trained positions t (labels not `IGNORE`), N their number — or `num_tokens`, the
+    count over every micro-batch of a gradient-accumulation step. All weights 1: the plain loss.
+    `logits[:, t]` predicts `labels[:, t + 1]` (causal LM); `weights` is aligned with `labels`.
+    """
+    target = labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1),
+        target.flatten(),
+        ignore_index=IGNORE,
+        reduction="none",
+    ).view_as(target)
+    trained = target != IGNORE
+    n = trained.sum() if num_tokens is None else num_tokens
+    return (weights[:, 1:] * nll).sum() / torch.as_tensor(n).clamp(min=1)
+
+
+def _decision_weighted(trainer_cls: type) -> type:
+    """`trainer_cls` (TRL's `SFTTrainer`) whose training loss weighs decision tokens
+    (`SFTRecipe.decision_weight`); evaluation, and training at weight 1, are TRL's own."""
+
+    class DecisionWeightedSFTTrainer(trainer_cls):
+        decision_ids: list[int] = []
+        decision_weight: float = 1.0
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not model.training or self.decision_weight == 1:
+                return super().compute_loss(
+                    model,
+                    inputs,
+                    return_outputs=return_outputs,
+                    num_items_in_batch=num_items_in_batch,
+                )
+            labels = inputs["labels"]
+            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
+            mask = decision_mask(labels, self.decision_ids)
+            weights = 1 + (self.decision_weight - 1) * mask.to(outputs.logits.dtype)
+            loss = weighted_token_loss(outputs.logits, labels, weights, num_items_in_batch)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * self.accelerator.num_processes  # as TRL does: DDP averages
+            return (loss, outputs) if return_outputs else loss
+
+    return DecisionWeightedSFTTrainer
+
+
 def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str | None]:
     """Everything but the training: data, tokenizer, model and a TRL `SFTTrainer`.
 
@@ -591,8 +694,23 @@ def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str 
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
+    if recipe.decision_weight != 1 and not any(
+        m["role"] == "assistant" and m["content"].startswith(recipe.decision_after)
+        for dialogue in train
+        for m in dialogue
+    ):
+        raise KitchenError(
+            [
+                recipe.problem(
+                    ("decision_after",),
+                    f"no assistant turn of {recipe.data.train} opens with "
+                    f"{recipe.decision_after!r}, so decision_weight {recipe.decision_weight:g} "
+                    "would weigh nothing; name an action the dialogues hold, or drop the weight",
+                )
+            ]
+        )
     try:
-        trainer = SFTTrainer(
+        trainer = _decision_weighted(SFTTrainer)(
             model=model,
             args=args,
             train_dataset=Dataset.from_list([{"messages": m} for m in train]),
@@ -611,6 +729,8 @@ def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str 
                         )
                     ]
                 )
+        trainer.decision_weight = recipe.decision_weight
+        trainer.decision_ids = tokenizer.encode(recipe.decision_after, add_special_tokens=False)
     except ValueError as e:
         if "chat template" not in str(e):
             raise

@@ -23,14 +23,17 @@ from kitchen.models import (
 )
 from kitchen.models import load_model as load_checkpoint
 from kitchen.sft import (
+    IGNORE,
     SFTRecipe,
     build_trainer,
+    decision_mask,
     load_recipe,
     read_dialogues,
     resolve_paths,
     run_sft,
     schema,
     sft_main,
+    weighted_token_loss,
 )
 
 from .test_models import CUISINES, MICRO, dialogues
@@ -342,3 +345,106 @@ def test_a_diverged_run_is_an_error_and_saves_no_final_model(tmp_path, data, mon
     (p,) = e.value.problems
     assert p.where == "lr" and "diverged: loss nan at step 2" in p.message
     assert not (Path(recipe.output_dir) / "final").exists()
+
+
+def test_decision_mask_marks_the_first_token_of_the_turn_after_the_action():
+    """Turns are runs of trained labels; a turn is marked (at its first token) when the turn
+    before it opens with the whole `after` sequence, however many tokens that is."""
+    X = IGNORE
+    labels = torch.tensor(
+        [
+            [X, 7, 8, 2, X, X, 5, 6, 2, X, 9, 2, X, 7, 8, 2],  # a check, a decision, a check
+            [X, 7, 2, X, 5, 2, X, X, 7, 9, 2, X, X, 3, 2, X],  # the first turn is too short
+        ]
+    )
+    mask = decision_mask(labels, [7, 8])
+    assert mask.nonzero().tolist() == [[0, 6]]
+    assert decision_mask(labels, [7]).nonzero().tolist() == [[0, 6], [1, 4], [1, 13]]
+    assert not decision_mask(labels, [4]).any()
+
+
+def test_decision_weighted_loss_is_trls_loss_plus_the_extra_weight_on_decisions(tmp_path, data):
+    """On a collated batch of the micro model: every assistant turn after an `@allergens` turn is
+    marked once at its first token; with all weights 1 the weighted loss is TRL's own, with
+    weight w it adds (w - 1) × the decisions' summed loss / N; evaluation is never weighted."""
+    trainer, _ = build_trainer(resolve_paths(tiny_recipe(tmp_path, data, decision_weight=25)))
+    tok = trainer.processing_class
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    labels = batch["labels"]
+    mask = decision_mask(labels, trainer.decision_ids)
+    assert mask.sum(1).tolist() == [1] * 8  # each synthetic dialogue: one check, one decision
+    assert set(tok.convert_ids_to_tokens(batch["input_ids"][mask].tolist())) == {"How"}
+
+    model = trainer.model
+    model.train()
+    with torch.no_grad():
+        weighted = trainer.compute_loss(model, dict(batch))
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        trainer.decision_weight = 1.0
+        trls = trainer.compute_loss(model, dict(batch))
+        ones = weighted_token_loss(logits, labels, torch.ones(labels.shape))
+        n = (labels[:, 1:] != IGNORE).sum()
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:])
+        per = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none"
+        )
+        decisions = per[mask[:, 1:]].sum()
+        model.eval()
+        trainer.decision_weight = 25.0
+        evaluated = trainer.compute_loss(model, dict(batch))
+    assert torch.allclose(ones, trls, atol=1e-5) and torch.allclose(ones, nll, atol=1e-5)
+    assert torch.allclose(weighted, ones + 24 * decisions / n, atol=1e-5)
+    assert weighted > 1.5 * ones and torch.allclose(evaluated, trls, atol=1e-5)
+
+
+def test_decision_weight_teaches_the_decision_faster(tmp_path):
+    """Training by effect: dialogues where the turn after a check depends on its reply (a dish
+    with no allergens is recommended, one with an allergen passed over). After the same 60 steps
+    from the same start, the held-out loss on those decision tokens is lower with weight 30 than
+    with plain assistant-only loss."""
+
+    def graded(n: int, seed: int) -> list[list[dict]]:
+        rows = dialogues(n, seed)
+        for i, m in enumerate(rows):
+            if i % 2:
+                m[5] = {"role": "tool", "content": "peanut"}
+                m[6] = {"role": "assistant", "content": "@search indian"}
+        return rows
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    write_jsonl(train, [{"messages": m} for m in graded(200, 0)])
+    write_jsonl(held, [{"messages": m} for m in graded(32, 1)])
+    losses = {}
+    for w in (1, 30):
+        recipe = tiny_recipe(
+            tmp_path,
+            {"train": str(train), "eval": str(held)},
+            output_dir=str(tmp_path / f"run{w}"),
+            max_steps=60,
+            decision_weight=w,
+        )
+        trainer, _ = build_trainer(resolve_paths(recipe))
+        trainer.train()
+        batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(32)])
+        mask = decision_mask(batch["labels"], trainer.decision_ids)
+        assert mask.sum() == 32
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
+        per = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none"
+        )
+        losses[w] = float(per[mask[:, 1:]].mean())
+    assert losses[30] < 0.8 * losses[1], losses
+
+
+def test_a_decision_weight_on_an_action_no_dialogue_takes_is_refused(tmp_path, data):
+    """Weighing the turn after an action that never occurs would train nothing differently: a
+    located error at decision_after."""
+    recipe = tiny_recipe(tmp_path, data, decision_weight=5, decision_after="@book")
+    with pytest.raises(KitchenError) as e:
+        build_trainer(resolve_paths(recipe))
+    (p,) = e.value.problems
+    assert p.where == "decision_after" and "'@book'" in p.message
