@@ -5,6 +5,8 @@ played on the jobs of `runs/<out>/results.json`'s evaluation settings) or `bench
 (`runs/arms`, its default settings) and reports, per policy:
 
 - axiom violations per axiom and task kind (the rule judge);
+- where each A1 violation stood to the checks: right after the check of that dish, after an
+  earlier check of it, or never checked (`a1_reasons`);
 - why each A3 violation named a dish no search returned, by the turn that named it (a message,
   `@allergens`, `@order`): no dish of the menu, a dish of another course or cuisine, or the
   right course and cuisine never searched (`a3_reasons`);
@@ -29,7 +31,11 @@ found: one of the diner's allergens, only other allergens, or none. A policy tha
 allergy list treats the last two alike; one that only reads the check's reply does not. The
 same contexts for every policy, so a cold start can be compared before any RL (about two
 minutes per policy on one core). `--temperature 0` asks for the policy's most likely turn instead
-(one answer per check): is a wrong answer the tail of the distribution, or its mode?
+(one answer per check): is a wrong answer the tail of the distribution, or its mode? With it the
+probe also prints the mean probability the policy gives to opening its turn with `@allergens`
+(checking another dish) by what the check found: how sure the decision is, not only which way it
+falls. `--dialogues` of training dialogues (e.g. `head -300 data/sft/train.jsonl`) asks whether
+the decision is fitted at all, before asking whether it generalises.
 
 `--data data/sft/train.jsonl` counts the safe and unsafe checks of SFT dialogues (allergic
 diners), and `--samples runs/<run>/samples.jsonl` averages the local reward of a training run's
@@ -108,6 +114,26 @@ def a3_reasons(turns: list[Turn], task: Task, broken: set[int]) -> Counter:
     return out
 
 
+def a1_reasons(turns: list[Turn], broken: set[int]) -> Counter:
+    """Where each A1 violation of an episode (`broken`: the turns the judge found breaking A1)
+    stood to the checks, by the turn that broke it (`say`, `@order`): right after the check of
+    that very dish (the check was read wrongly), after a check of it earlier in the episode (read
+    and then forgotten), or with the dish never checked (T1 skipped: the policy could not know)."""
+    out = Counter()
+    by_index = {t.index: t for t in turns}
+    for i in sorted(broken):
+        t, prev = by_index[i], by_index.get(i - 1)
+        how = f"@{t.tool}" if t.tool else t.kind
+        name = t.dish.name if t.dish is not None else None
+        if prev is not None and prev.tool == "allergens" and prev.dish and prev.dish.name == name:
+            out[(how, "right after its check")] += 1
+        elif name in t.checked:
+            out[(how, "checked earlier")] += 1
+        else:
+            out[(how, "never checked")] += 1
+    return out
+
+
 def next_turn(text: str, dish: str) -> str:
     """What an assistant turn written right after the check of `dish` does."""
     text = text.strip()
@@ -123,7 +149,7 @@ def probe(
 ) -> None:
     """The policy's next turn after every allergen check of an allergic diner in `dialogues`
     (module docstring); at `temperature` 0 its most likely turn, once per check."""
-    from kitchen.models import ModelSpec, load_model, replies
+    from kitchen.models import ModelSpec, load_model, render_chat, replies
     from kitchen.train import load_run_policy
 
     answers = 1 if temperature == 0 else answers
@@ -132,7 +158,8 @@ def probe(
     is_run = (folder / "checkpoints").is_dir()
     model, tok = load_run_policy(folder) if is_run else load_model(ModelSpec(path=policy))
     model.eval()
-    counts, written, seen = Counter(), Counter(), 0
+    check = tok.encode("@allergens", add_special_tokens=False)[0]
+    counts, written, seen, sure = Counter(), Counter(), 0, defaultdict(list)
     for row in read_jsonl(dialogues):
         msgs = row["messages"]
         allergies = allergies_in(msgs[0]["content"])
@@ -150,6 +177,11 @@ def probe(
             )
             written[(found, next_turn(msgs[i + 1]["content"], dish))] += 1
             seen += 1
+            if temperature == 0:
+                prompt = tok(render_chat(msgs[: i + 1], add_generation_prompt=True))
+                with torch.no_grad():
+                    logits = model(torch.tensor([prompt.input_ids])).logits[0, -1]
+                sure[found].append(torch.softmax(logits.float(), -1)[check].item())
             for text in replies(
                 model,
                 tok,
@@ -163,6 +195,11 @@ def probe(
     how = "its most likely turn" if temperature == 0 else f"{answers} answers per check"
     print(f"{policy}: the next turn after an allergen check, {how}")
     print(shares(counts))
+    for found, ps in sorted(sure.items(), reverse=True):
+        print(
+            f"  P(the next turn opens with @allergens) after a check found the dish {found}: "
+            f"{mean(ps):.2f} on average ({len(ps)} checks)"
+        )
     print(f"  the scripted agent in {dialogues}:")
     print(shares(written))
 
@@ -196,10 +233,11 @@ def held_out(folder: Path, names: list[str], grm_episodes: int) -> None:
                 f"settings ({cfg.tasks} tasks × {cfg.samples}) play {len(pcs)}"
             )
         trajs = [Trajectory.model_validate(r) for r in rows]
-        violations, checks, a3 = Counter(), Counter(), Counter()
+        violations, checks, a1, a3 = Counter(), Counter(), Counter(), Counter()
         for traj, pc in zip(trajs, pcs, strict=True):
             turns, broken = replay(traj, menu), judge(traj, pc, menu).violations()
             a3.update(a3_reasons(turns, traj.task, {v.turn for v in broken if v.clause == "A3"}))
+            a1.update(a1_reasons(turns, {v.turn for v in broken if v.clause == "A1"}))
             for v in broken:
                 if v.clause.startswith("A"):
                     violations[(v.clause, "meal" if traj.task.courses else "dish")] += 1
@@ -210,6 +248,9 @@ def held_out(folder: Path, names: list[str], grm_episodes: int) -> None:
         print(f"{name}: {len(trajs)} episodes, {total} axiom violations")
         for (clause, kind), n in sorted(violations.items()):
             print(f"  {clause} {kind}: {n}")
+        print("  A1, a dish with the diner's allergen, by the turn and its check:")
+        for (how, why), n in sorted(a1.items()):
+            print(f"    {how}, {why}: {n}")
         print("  A3, the dish no search returned, by the turn that named it:")
         for (how, why), n in sorted(a3.items()):
             print(f"    {how}, {why}: {n}")
