@@ -91,14 +91,15 @@ def example(
 
 def batch(tok, examples: list[Example]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Left-padded inputs (the decision at the last position) and each target's first token."""
-    ids = [tok(e.text, add_special_tokens=False)["input_ids"] for e in examples]
-    width = max(map(len, ids))
-    input_ids = torch.full((len(ids), width), tok.pad_token_id)  # (B, T)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    enc = tok(
+        [e.text for e in examples],
+        add_special_tokens=False,
+        padding=True,
+        padding_side="left",
+        return_tensors="pt",
+    )
+    input_ids, mask = enc["input_ids"], enc["attention_mask"]  # (B, T)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # left padding starts at 0
     targets = torch.tensor(
         [tok(e.target, add_special_tokens=False)["input_ids"][0] for e in examples]
     )
