@@ -91,6 +91,7 @@ from kitchen.models import (
     resolve_device,
     save_adapter,
     swap_folder,
+    token_logprobs,
     train_tokenizer,
 )
 
@@ -563,8 +564,8 @@ def decision_mask(labels: torch.Tensor, after: Sequence[int]) -> torch.Tensor:
 
 
 def weighted_token_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
+    logp: torch.Tensor,
+    trained: torch.Tensor,
     weights: torch.Tensor,
     num_tokens: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -572,20 +573,13 @@ def weighted_token_loss(
 
         L = Σ_t w_t · −log π(y_t | y_<t) / N
 
-    over the trained positions t (labels not `IGNORE`), N their number — or `num_tokens`, the
-    count over every micro-batch of a gradient-accumulation step. All weights 1: the plain loss.
-    `logits[:, t]` predicts `labels[:, t + 1]` (causal LM); `weights` is aligned with `labels`.
+    over the trained positions t, N their number — or `num_tokens`, the count over every
+    micro-batch of a gradient-accumulation step. All weights 1: the plain loss. `logp`, `trained`
+    and `weights` are `[batch, length − 1]`, aligned with the targets `labels[:, 1:]`: `logp` as
+    `kitchen.models.token_logprobs` returns it, `trained` where those labels are not `IGNORE`.
     """
-    target = labels[:, 1:]
-    nll = torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().flatten(0, 1),
-        target.flatten(),
-        ignore_index=IGNORE,
-        reduction="none",
-    ).view_as(target)
-    trained = target != IGNORE
     n = trained.sum() if num_tokens is None else num_tokens
-    return (weights[:, 1:] * nll).sum() / torch.as_tensor(n).clamp(min=1)
+    return -(weights * logp * trained).sum() / torch.as_tensor(n).clamp(min=1)
 
 
 def _decision_weighted(trainer_cls: type) -> type:
@@ -605,13 +599,17 @@ def _decision_weighted(trainer_cls: type) -> type:
                     num_items_in_batch=num_items_in_batch,
                 )
             labels = inputs["labels"]
-            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
-            mask = decision_mask(labels, self.decision_ids)
-            weights = 1 + (self.decision_weight - 1) * mask.to(outputs.logits.dtype)
-            loss = weighted_token_loss(outputs.logits, labels, weights, num_items_in_batch)
+            trained = labels[:, 1:] != IGNORE
+            # the output layer runs on the trained positions only (most of a dialogue is context)
+            logp, _ = token_logprobs(
+                model, inputs["input_ids"], inputs["attention_mask"], positions=trained
+            )
+            mask = decision_mask(labels, self.decision_ids)[:, 1:]
+            weights = 1 + (self.decision_weight - 1) * mask.to(logp.dtype)
+            loss = weighted_token_loss(logp, trained, weights, num_items_in_batch)
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 loss = loss * self.accelerator.num_processes  # as TRL does: DDP averages
-            return (loss, outputs) if return_outputs else loss
+            return (loss, None) if return_outputs else loss
 
     return DecisionWeightedSFTTrainer
 

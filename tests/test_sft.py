@@ -19,6 +19,7 @@ from kitchen.models import (
     adapter_names,
     build_tiny_model,
     render_chat,
+    token_logprobs,
     train_tokenizer,
 )
 from kitchen.models import load_model as load_checkpoint
@@ -382,7 +383,9 @@ def test_decision_weighted_loss_is_trls_loss_plus_the_extra_weight_on_decisions(
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         trainer.decision_weight = 1.0
         trls = trainer.compute_loss(model, dict(batch))
-        ones = weighted_token_loss(logits, labels, torch.ones(labels.shape))
+        logp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+        trained = labels[:, 1:] != IGNORE
+        ones = weighted_token_loss(logp, trained, torch.ones(trained.shape))
         n = (labels[:, 1:] != IGNORE).sum()
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:])
         per = torch.nn.functional.cross_entropy(
