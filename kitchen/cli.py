@@ -125,9 +125,18 @@ def _world_sft_data(args: argparse.Namespace) -> int:
         seed=args.seed,
         long_share=args.long,
         quirks=SHIPPED_SFT_QUIRKS.model_copy(
-            update={"style_draw": args.style_draw, "unsafe_check_first": unsafe}
+            update={
+                "style_draw": args.style_draw,
+                "unsafe_check_first": unsafe,
+                "skip_allergen_check": (
+                    SHIPPED_SFT_QUIRKS.skip_allergen_check
+                    if args.skip_checks is None
+                    else args.skip_checks
+                ),
+            }
         ),
         variants=SHIPPED_VARIANTS if args.variants is None else args.variants,
+        drills=args.drills,
     )
     for name in ("train", "eval"):
         s = stats[name]
@@ -136,6 +145,8 @@ def _world_sft_data(args: argparse.Namespace) -> int:
             f"({s['long']['dialogues']} meals), scripted success "
             f"{s['success']:.1%}, {s['assistant_turns']:.1f} assistant turns each"
         )
+    if args.drills:
+        print(f"{args.out}/train.jsonl: + {args.drills} check drills after the dialogues")
     print(f"{args.out}/stats.json: per-clause pass rates, short and long tasks apart")
     return 0
 
@@ -355,6 +366,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of training dialogues played for synthetic diners drawn around the training "
         "profiles, so allergy lists vary (never a held-out diner's set; default: the shipped "
         "data's, 0.5)",
+    )
+    p.add_argument(
+        "--skip-checks",
+        type=fraction,
+        default=None,
+        metavar="SHARE",
+        help="share of courses where the agent recommends a dish without checking its "
+        "allergens (T1; default: the shipped data's, 0.15)",
+    )
+    p.add_argument(
+        "--drills",
+        type=count(0, 1_000_000),
+        default=0,
+        metavar="N",
+        help="add N check drills to the training dialogues: allergic diners' single-dish "
+        "dialogues cut after the turn that follows their last allergen check (default 0)",
     )
     p.set_defaults(func=_world_sft_data)
 

@@ -59,6 +59,7 @@ Departures from the method:
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from typing import Any, Literal
@@ -585,6 +586,40 @@ def chat_row(traj: Trajectory) -> dict[str, Any]:
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in traj.messages]}
 
 
+def check_drill(traj: Trajectory, pc: Any) -> dict[str, Any] | None:
+    """An allergic diner's dialogue cut after the assistant turn that follows its last allergen
+    check — recommend the checked dish or move on, the decision the check's reply informs — as an
+    SFT example; None when the diner has no allergies or no turn follows a check."""
+    if not pc.dimensions.get("allergies"):
+        return None
+    checks = [
+        i
+        for i, ti in enumerate(traj.turns)
+        if ti.action.kind == "tool" and ti.action.tool == "allergens"
+    ]
+    if not checks or checks[-1] + 1 >= len(traj.turns):
+        return None
+    after = traj.turns[checks[-1] + 1]
+    return {"messages": chat_row(traj)["messages"][: after.message + 1]}
+
+
+def check_drills(
+    n: int, seed: int = 0, quirks: Quirks = SHIPPED_SFT_QUIRKS, variants: float = SHIPPED_VARIANTS
+) -> list[dict[str, Any]]:
+    """`n` check drills (`check_drill`) from single-dish episodes on training tasks and diners,
+    played from a seed stream of their own, so they add decisions the training dialogues do not
+    hold. In a whole dialogue the token after a check is one in a few hundred; drills are short."""
+    drills: list[dict[str, Any]] = []
+    for round_ in itertools.count():
+        eps = episodes(
+            2 * n, split="train", seed=seed * 1_000 + 7 + round_, quirks=quirks, variants=variants
+        )
+        drills += [d for d in (check_drill(t, pc) for t, pc in eps) if d is not None]
+        if len(drills) >= n:
+            return drills[:n]
+    raise AssertionError("unreachable")
+
+
 def data_stats(eps: list[tuple[Trajectory, Any]]) -> dict[str, Any]:
     """What a set of scripted episodes holds: success, turns, and per-clause pass rates — all
     of them and by profile group for the personal clauses (T3 for brief diners, T6 for detailed
@@ -639,12 +674,14 @@ def write_sft_data(
     quirks: Quirks = SHIPPED_SFT_QUIRKS,
     long_share: float = 0.5,
     variants: float = SHIPPED_VARIANTS,
+    drills: int = 0,
 ) -> dict[str, Any]:
     """Write `train.jsonl` (train tasks and profiles), `eval.jsonl` (held-out ones) and
     `stats.json` (what they hold, short and long tasks apart: `data_stats`). `variants` of the
     training dialogues are played for synthetic diners drawn around the training profiles (many
-    more allergy lists; never a held-out diner's set), the held-out ones never. The defaults
-    write the shipped data's kind (`SHIPPED_SFT_QUIRKS`, `SHIPPED_VARIANTS`)."""
+    more allergy lists; never a held-out diner's set), the held-out ones never. `drills` check
+    drills (`check_drills`) follow the training dialogues in `train.jsonl`. The defaults write
+    the shipped data's kind (`SHIPPED_SFT_QUIRKS`, `SHIPPED_VARIANTS`)."""
     from pathlib import Path
 
     from kitchen.files import atomic_write_json, write_jsonl
@@ -660,7 +697,11 @@ def write_sft_data(
             long_share=long_share,
             variants=variants if split == "train" else 0.0,
         )
-        write_jsonl(out / f"{name}.jsonl", (chat_row(t) for t, _ in eps))
+        rows = [chat_row(t) for t, _ in eps]
+        if name == "train" and drills:
+            rows += check_drills(drills, seed, quirks, variants)
+            stats["drills"] = {"dialogues": drills}
+        write_jsonl(out / f"{name}.jsonl", rows)
         stats[name] = data_stats(eps) | {
             kind: data_stats([e for e in eps if e[0].task.kind == kind])
             for kind in ("short", "long")
@@ -670,6 +711,12 @@ def write_sft_data(
         f"--seed {seed} --long {long_share:g}"
         + (f" --style-draw {quirks.style_draw}" if quirks.style_draw != "episode" else "")
         + f" --unsafe-checks {quirks.unsafe_check_first:g} --variants {variants:g}"
+        + (
+            f" --skip-checks {quirks.skip_allergen_check:g}"
+            if quirks.skip_allergen_check != SHIPPED_SFT_QUIRKS.skip_allergen_check
+            else ""
+        )
+        + (f" --drills {drills}" if drills else "")
     )
     atomic_write_json(out / "stats.json", stats)
     return stats

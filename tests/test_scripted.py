@@ -6,6 +6,7 @@ import collections
 import json
 
 from kitchen import paths
+from kitchen.cli import main as cli
 from kitchen.files import read_jsonl
 from kitchen.judge import judge
 from kitchen.scripted import GRM_QUIRKS, IDEAL_QUIRKS, SFT_QUIRKS, episodes, write_sft_data
@@ -58,6 +59,30 @@ def test_write_sft_data(tmp_path):
     shipped = json.loads((paths.DATA / "sft" / "stats.json").read_text())["command"]
     flags = " --unsafe-checks 1 --variants 0.5"
     assert stats["command"].endswith(flags) and shipped.endswith(flags)
+
+
+def test_sft_data_with_check_drills_and_no_skipped_checks(tmp_path, capsys):
+    """`--drills N` appends N allergic diners' dialogues, each ending on the turn right after an
+    allergen check (the decision its reply informs); `--skip-checks 0` writes agents that check
+    every dish they recommend (T1 always kept), and both are on the data's command line."""
+    out = tmp_path / "sft"
+    assert cli(["world", "sft-data", "--out", str(out), "--train", "40", "--eval", "5",
+                "--seed", "2", "--skip-checks", "0", "--drills", "25"]) == 0  # fmt: skip
+    assert "+ 25 check drills" in capsys.readouterr().out
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["train"]["clause_pass"]["T1"] == 1.0 and stats["drills"] == {"dialogues": 25}
+    assert stats["command"].endswith("--skip-checks 0 --drills 25")
+    rows = [r["messages"] for r in read_jsonl(out / "train.jsonl")]
+    assert len(rows) == 65
+    whole = {json.dumps(m[:3]) for m in rows[:40]}
+    for m in rows[40:]:
+        assert "allergies=none" not in m[0]["content"]
+        assert m[-1]["role"] == "assistant" and m[-2]["role"] == "tool"
+        assert m[-3]["role"] == "assistant" and m[-3]["content"].startswith("@allergens ")
+    assert len({json.dumps(m[:3]) for m in rows[40:]} - whole) > 20  # not the dialogues' prefixes
+    # the default data skips some checks: without the option T1 is broken
+    plain = write_sft_data(str(tmp_path / "plain"), n_train=40, n_eval=5, seed=2)
+    assert plain["train"]["clause_pass"]["T1"] < 1.0 and "drills" not in plain
 
 
 # --------------------------------------------------------------------------------------------
