@@ -12,6 +12,12 @@ compliance, success, per task kind and per clause.
     .venv/bin/python benchmarks/bench_nb05.py --set reward.reviewer=judge
     .venv/bin/python benchmarks/bench_nb05.py --set train.long_share=0 --set eval.long_share=0
     .venv/bin/python benchmarks/bench_nb05.py --iterations 0 --set eval.seed=1   # no training
+    .venv/bin/python benchmarks/bench_nb05.py --episodes   # and what the episodes did, per kind
+
+`--episodes` plays the held-out jobs once more before and after and prints, for meals and single
+dishes apart: turns, how episodes ended (ordered, out of turns, the diner left), the share of the
+request fulfilled, actions and the rule judge's violations per episode — where a change in
+compliance comes from.
 
 The held-out jobs are drawn from `eval.seed`; `--set eval.seed=N` re-draws them, which is how far
 the reading moves without any training (docs/results.md, "Notebook 05's train button").
@@ -84,6 +90,45 @@ def reading(report: dict) -> str:
     return f"{head}\n    per clause: {clauses}"
 
 
+def episodes_reading(run) -> str:
+    """The held-out jobs played once more by `run`'s policy, read per task kind (`--episodes`)."""
+    from collections import Counter
+
+    from kitchen.evaluate import eval_jobs
+    from kitchen.judge import judge
+    from kitchen.rollout import rollout
+
+    cfg = run.recipe.eval
+    jobs = eval_jobs(cfg, run.constitution)
+    rcfg = run.recipe.rollout.model_copy(update={"k": cfg.samples})
+    trajs, _ = rollout(run.model, run.tok, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
+    pcs = [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
+    lines = []
+    for kind, meal in (("meals", True), ("single dishes", False)):
+        pairs = [(t, pc) for t, pc in zip(trajs, pcs, strict=True) if bool(t.task.courses) == meal]
+        if not pairs:
+            continue
+        n = len(pairs)
+        actions = Counter(ti.action.tool or ti.action.kind for t, _ in pairs for ti in t.turns)
+        broken = Counter(v.clause for t, pc in pairs for v in judge(t, pc).violations())
+        ends = Counter(t.end for t, _ in pairs)
+        turns = sum(len(t.turns) for t, _ in pairs) / n
+        progress = sum(t.outcome.progress for t, _ in pairs if t.outcome) / n
+        lines.append(
+            f"    {kind} ({n}): {turns:.1f} turns, ended {dict(sorted(ends.items()))}, "
+            f"fulfilled {progress:.3f}"
+        )
+        lines.append(
+            "      actions an episode: "
+            + " ".join(f"{a} {c / n:.2f}" for a, c in sorted(actions.items()))
+        )
+        lines.append(
+            "      violations an episode: "
+            + " ".join(f"{c} {k / n:.2f}" for c, k in sorted(broken.items()))
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     from kitchen.train import Run
 
@@ -93,6 +138,9 @@ def main() -> None:
         "--iterations", type=int, default=16, help="(the notebook's: 16; 0 = the reading before)"
     )
     ap.add_argument("--eval-tasks", type=int, default=96, help="held-out tasks per reading")
+    ap.add_argument(
+        "--episodes", action="store_true", help="also read the episodes per kind (above)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     try:
@@ -102,6 +150,8 @@ def main() -> None:
     run = Run(recipe, folder=tempfile.mkdtemp(prefix="bench-nb05-"), progress=False)
     print("command: python benchmarks/bench_nb05.py", *sys.argv[1:])
     print(f"  before: {reading(run.evaluate())}", flush=True)
+    if args.episodes:
+        print(episodes_reading(run), flush=True)
     if args.iterations < 1:
         return
     t = time.perf_counter()
@@ -110,6 +160,8 @@ def main() -> None:
     seconds = time.perf_counter() - t
     print(f"  after {recipe.train.iterations} iterations ({seconds:.0f} s of training):")
     print(f"         {reading(run.evaluate())}")
+    if args.episodes:
+        print(episodes_reading(run))
 
 
 if __name__ == "__main__":

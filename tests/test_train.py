@@ -714,6 +714,31 @@ def test_bench_nb05_changes_one_field_and_says_which_is_wrong():
         bench.changed(recipe, ["train.lr"], 5, 12)
 
 
+def test_bench_nb05_reads_the_episodes_per_task_kind(runs_dir):
+    """`--episodes`: the held-out jobs played by the run's policy, per task kind — turns, how the
+    episodes ended, the share fulfilled, actions and violations per episode — and the counts add
+    up to the episodes played."""
+    import re
+
+    from tests.conftest import load_benchmark
+
+    bench = load_benchmark("bench_nb05")
+    recipe = tiny_recipe(
+        "nb05-episodes",
+        eval={"tasks": 8, "samples": 1, "long_share": 0.5},
+        rollout={"long_max_turns": 6},
+    )
+    text = bench.episodes_reading(Run(recipe, progress=False))
+    heads = re.findall(
+        r"^    (meals|single dishes) \((\d+)\): ([\d.]+) turns, ended (\{.*\})", text, re.M
+    )
+    assert [h[0] for h in heads] == ["meals", "single dishes"]
+    assert sum(int(h[1]) for h in heads) == 8
+    for _, n, turns, ends in heads:
+        assert 1 <= float(turns) <= 6 and sum(eval(ends).values()) == int(n)
+    assert text.count("actions an episode:") == 2 and "violations an episode:" in text
+
+
 def test_fast_autocast_is_bfloat16_only_where_the_device_multiplies_it(monkeypatch):
     """`train.autocast: fast` runs the update under bfloat16 autocast on a CPU with AMX and in
     float32 on one without; 'bfloat16' always does, 'none' never."""
