@@ -66,7 +66,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kitchen.config import StrictModel
+from kitchen.config import KitchenError, StrictModel
 from kitchen.world import (
     COURSES,
     IMPATIENT_WORDS,
@@ -614,7 +614,13 @@ def check_drills(
         eps = episodes(
             2 * n, split="train", seed=seed * 1_000 + 7 + round_, quirks=quirks, variants=variants
         )
-        drills += [d for d in (check_drill(t, pc) for t, pc in eps) if d is not None]
+        new = [d for d in (check_drill(t, pc) for t, pc in eps) if d is not None]
+        if not new:
+            raise KitchenError(
+                f"no check drills in {2 * n} scripted episodes: no allergic diner's dialogue has "
+                "a turn after an allergen check (agents that never check, or no allergic diners)"
+            )
+        drills += new
         if len(drills) >= n:
             return drills[:n]
     raise AssertionError("unreachable")

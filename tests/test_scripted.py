@@ -5,11 +5,22 @@ from __future__ import annotations
 import collections
 import json
 
+import pytest
+
 from kitchen import paths
 from kitchen.cli import main as cli
+from kitchen.config import KitchenError
 from kitchen.files import read_jsonl
 from kitchen.judge import judge
-from kitchen.scripted import GRM_QUIRKS, IDEAL_QUIRKS, SFT_QUIRKS, episodes, write_sft_data
+from kitchen.scripted import (
+    GRM_QUIRKS,
+    IDEAL_QUIRKS,
+    SFT_QUIRKS,
+    SHIPPED_SFT_QUIRKS,
+    check_drills,
+    episodes,
+    write_sft_data,
+)
 
 
 def violation_counts(eps):
@@ -83,6 +94,10 @@ def test_sft_data_with_check_drills_and_no_skipped_checks(tmp_path, capsys):
     # the default data skips some checks: without the option T1 is broken
     plain = write_sft_data(str(tmp_path / "plain"), n_train=40, n_eval=5, seed=2)
     assert plain["train"]["clause_pass"]["T1"] < 1.0 and "drills" not in plain
+    # agents that never check leave nothing to cut: a clear error, not an endless search
+    never = SHIPPED_SFT_QUIRKS.model_copy(update={"skip_allergen_check": 1.0})
+    with pytest.raises(KitchenError, match="no check drills"):
+        check_drills(3, quirks=never)
 
 
 # --------------------------------------------------------------------------------------------
