@@ -257,10 +257,12 @@ def _(mo):
     things to see instead. With the share of meals at 0 (about a minute), single-dish success
     rises in every seed measured (0.59 → 0.60–0.72). One clause moves at once: T5 (ask the
     cuisine when the request names none) went from 0.66 to 0.70–0.90 in 15 of the 17 runs
-    measured. And what the local term holds: set α start and end to 0 (the outcome alone) and
-    held-out meal compliance falls from 0.873 to 0.81–0.82 in a run of the same length, where the
-    defaults keep it at 0.85–0.87 — the outcome's credit, spread over twenty turns, erodes every
-    turn. The main job's 60 iterations at K 8 do raise held-out compliance, on meals too.
+    measured. And what the local term holds: set α start and end to 0 (the outcome alone) and,
+    in a run of the same length, held-out meal compliance falls from 0.873 to 0.81–0.85 and the
+    share of each meal fulfilled from 0.54 to 0.43–0.48 (seeds 0–2), where the defaults keep
+    compliance at 0.85–0.87 and raise the share to 0.56–0.58 — the outcome's credit, spread over
+    twenty turns, erodes every turn. The main job's 60 iterations at K 8 do raise held-out
+    compliance, on meals too.
 
     Meals are where credit assignment matters: a meal of several courses takes 12–20 turns, and
     one late mistake fails the whole order. The outcome-only `grpo` gives all twenty turns the same
