@@ -603,6 +603,9 @@ def check_drill(traj: Trajectory, pc: Any) -> dict[str, Any] | None:
     return {"messages": chat_row(traj)["messages"][: after.message + 1]}
 
 
+DRILL_SEARCH = 1_000  # episodes played without a single drill before `check_drills` gives up
+
+
 def check_drills(
     n: int, seed: int = 0, quirks: Quirks = SHIPPED_SFT_QUIRKS, variants: float = SHIPPED_VARIANTS
 ) -> list[dict[str, Any]]:
@@ -610,19 +613,22 @@ def check_drills(
     played from a seed stream of their own, so they add decisions the training dialogues do not
     hold. In a whole dialogue the token after a check is one in a few hundred; drills are short."""
     drills: list[dict[str, Any]] = []
+    played = 0
     for round_ in itertools.count():
+        size = max(2 * n, 50)
         eps = episodes(
-            2 * n, split="train", seed=seed * 1_000 + 7 + round_, quirks=quirks, variants=variants
+            size, split="train", seed=seed * 1_000 + 7 + round_, quirks=quirks, variants=variants
         )
-        new = [d for d in (check_drill(t, pc) for t, pc in eps) if d is not None]
-        if not new:
-            raise KitchenError(
-                f"no check drills in {2 * n} scripted episodes: no allergic diner's dialogue has "
-                "a turn after an allergen check (agents that never check, or no allergic diners)"
-            )
-        drills += new
+        played += size
+        drills += [d for d in (check_drill(t, pc) for t, pc in eps) if d is not None]
         if len(drills) >= n:
             return drills[:n]
+        if not drills and played >= DRILL_SEARCH:
+            raise KitchenError(
+                f"no check drills in {played} scripted episodes: no allergic diner's dialogue "
+                "has a turn after an allergen check (agents that never check, or no allergic "
+                "diners)"
+            )
     raise AssertionError("unreachable")
 
 
@@ -686,7 +692,8 @@ def write_sft_data(
     `stats.json` (what they hold, short and long tasks apart: `data_stats`). `variants` of the
     training dialogues are played for synthetic diners drawn around the training profiles (many
     more allergy lists; never a held-out diner's set), the held-out ones never. `drills` check
-    drills (`check_drills`) follow the training dialogues in `train.jsonl`. The defaults write
+    drills (`check_drills`) follow the training dialogues in `train.jsonl`; the statistics
+    describe the whole dialogues, and `stats["drills"]` counts the drills. The defaults write
     the shipped data's kind (`SHIPPED_SFT_QUIRKS`, `SHIPPED_VARIANTS`)."""
     from pathlib import Path
 

@@ -540,6 +540,7 @@ def add_tokens(model: Any, tokenizer: Any, strings: Sequence[str]) -> int:
 
 
 IGNORE = -100  # the label of a token that is context, not trained (the transformers convention)
+PLAIN_BATCH = {"input_ids", "attention_mask", "labels"}  # what the kit's collated batches hold
 
 
 def decision_mask(labels: torch.Tensor, after: Sequence[int]) -> torch.Tensor:
@@ -600,10 +601,15 @@ def _decision_weighted(trainer_cls: type) -> type:
                 )
             labels = inputs["labels"]
             trained = labels[:, 1:] != IGNORE
-            # the output layer runs on the trained positions only (most of a dialogue is context)
-            logp, _ = token_logprobs(
-                model, inputs["input_ids"], inputs["attention_mask"], positions=trained
-            )
+            if self.accelerator.unwrap_model(model) is model and set(inputs) == PLAIN_BATCH:
+                # the output layer runs on the trained positions only (most tokens are context)
+                ids, attention = inputs["input_ids"], inputs["attention_mask"]
+                logp, _ = token_logprobs(model, ids, attention, positions=trained)
+            else:  # a wrapped model (DataParallel, DDP) or extra inputs: through its forward
+                rest = {k: v for k, v in inputs.items() if k != "labels"}
+                logits = model(**rest, use_cache=False).logits[:, :-1].float()
+                target = labels[:, 1:].clamp(min=0).unsqueeze(-1)
+                logp = (logits.gather(-1, target) - logits.logsumexp(-1, keepdim=True))[..., 0]
             mask = decision_mask(labels, self.decision_ids)[:, 1:]
             weights = 1 + (self.decision_weight - 1) * mask.to(logp.dtype)
             loss = weighted_token_loss(logp, trained, weights, num_items_in_batch)

@@ -398,6 +398,12 @@ def test_decision_weighted_loss_is_trls_loss_plus_the_extra_weight_on_decisions(
     assert torch.allclose(ones, trls, atol=1e-5) and torch.allclose(ones, nll, atol=1e-5)
     assert torch.allclose(weighted, ones + 24 * decisions / n, atol=1e-5)
     assert weighted > 1.5 * ones and torch.allclose(evaluated, trls, atol=1e-5)
+    # a wrapped model (DataParallel, DDP) goes through its own forward: the same loss
+    model.train()
+    trainer.accelerator.unwrap_model = lambda m, **_: None
+    with torch.no_grad():
+        wrapped = trainer.compute_loss(model, dict(batch))
+    assert torch.allclose(wrapped, weighted, atol=1e-5)
 
 
 def test_decision_weight_teaches_the_decision_faster(tmp_path):
