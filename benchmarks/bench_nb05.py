@@ -94,15 +94,10 @@ def episodes_reading(run) -> str:
     """The held-out jobs played once more by `run`'s policy, read per task kind (`--episodes`)."""
     from collections import Counter
 
-    from kitchen.evaluate import eval_jobs
     from kitchen.judge import judge
-    from kitchen.rollout import rollout
+    from kitchen.train import held_out_episodes
 
-    cfg = run.recipe.eval
-    jobs = eval_jobs(cfg, run.constitution)
-    rcfg = run.recipe.rollout.model_copy(update={"k": cfg.samples})
-    trajs, _ = rollout(run.model, run.tok, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
-    pcs = [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
+    trajs, pcs = held_out_episodes(run.model, run.tok, run.recipe, run.constitution)
     lines = []
     for kind, meal in (("meals", True), ("single dishes", False)):
         pairs = [(t, pc) for t, pc in zip(trajs, pcs, strict=True) if bool(t.task.courses) == meal]

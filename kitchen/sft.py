@@ -78,6 +78,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 
 from kitchen import paths
 from kitchen.config import KitchenError, Located, Problem, StrictModel, read_yaml, validate_doc
+from kitchen.engine import token_logprobs_of
 from kitchen.files import atomic_write_text, jsonl_rows, write_jsonl
 from kitchen.models import (
     ROLES,
@@ -607,9 +608,9 @@ def _decision_weighted(trainer_cls: type) -> type:
                 logp, _ = token_logprobs(model, ids, attention, positions=trained)
             else:  # a wrapped model (DataParallel, DDP) or extra inputs: through its forward
                 rest = {k: v for k, v in inputs.items() if k != "labels"}
-                logits = model(**rest, use_cache=False).logits[:, :-1].float()
-                target = labels[:, 1:].clamp(min=0).unsqueeze(-1)
-                logp = (logits.gather(-1, target) - logits.logsumexp(-1, keepdim=True))[..., 0]
+                logits = model(**rest, use_cache=False).logits[:, :-1]
+                target = labels[:, 1:].clamp(min=0)  # context positions: any id, weighed 0
+                logp = token_logprobs_of(logits.flatten(0, 1), target.flatten()).view_as(target)
             mask = decision_mask(labels, self.decision_ids)[:, 1:]
             weights = 1 + (self.decision_weight - 1) * mask.to(logp.dtype)
             loss = weighted_token_loss(logp, trained, weights, num_items_in_batch)

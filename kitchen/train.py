@@ -1345,6 +1345,18 @@ def load_run_policy(folder: str | os.PathLike) -> tuple[Any, Any]:
     return model, tok
 
 
+def held_out_episodes(
+    model: Any, tok: Any, recipe: Recipe, constitution: Any = None
+) -> tuple[list[Trajectory], list[Any]]:
+    """`recipe.eval`'s held-out jobs played by `model` (the recipe's rollout settings, k =
+    `eval.samples`): the episodes and each one's personal constitution."""
+    cfg = recipe.eval
+    jobs = eval_jobs(cfg, constitution)
+    rcfg = recipe.rollout.model_copy(update={"k": cfg.samples})
+    trajs, _ = rollout(model, tok, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
+    return trajs, [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
+
+
 def held_out_report(
     model: Any, tok: Any, recipe: Recipe, constitution: Any = None, *, by_kind: bool = False
 ) -> Any:
@@ -1352,11 +1364,7 @@ def held_out_report(
     `eval.samples`), judged by rules: the evaluation `kitchen cook` logs every `eval_every`.
     With `by_kind`, `(report, {"short": report, "long": report})` — the same episodes split by
     task kind (a kind the held-out set lacks is left out)."""
-    cfg = recipe.eval
-    jobs = eval_jobs(cfg, constitution)
-    rcfg = recipe.rollout.model_copy(update={"k": cfg.samples})
-    trajs, _ = rollout(model, tok, jobs, rcfg, seed=cfg.seed, group_prefix="eval:")
-    pcs = [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
+    trajs, pcs = held_out_episodes(model, tok, recipe, constitution)
     report = policy_report(trajs, pcs)
     if not by_kind:
         return report
