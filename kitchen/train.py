@@ -206,6 +206,16 @@ class RewardConfig(StrictModel):
         le=1,
         description="λ in R = (1−λ)·outcome + λ·[overall pass]. 0: the world's outcome only.",
     )
+    step_progress: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description="μ in r_t + μ·(p_t − p_(t−1)): a turn's local reward gains μ times the share "
+        "of the request it fulfilled (`progress_gains`; p is `Outcome.progress` so far, so only "
+        "an order that fits moves it up, and one that does not moves it down). The verdicts "
+        "alone are myopic: a check that keeps its clauses scores as well as the order it "
+        "delays. 0 (default): the verdicts only.",
+    )
     truncated: Literal["worst", "drop"] = Field(
         "worst",
         description="A turn that ran out of its token budget before its end-of-turn token: "
@@ -627,9 +637,32 @@ def episode_rewards(
                     local[ti.turn], valid[ti.turn] = worst, True
                     contrib[ti.turn] = {"truncated": worst}
                     scores[ti.turn] = {c.id: -1.0 for c in pc.clauses}
+        if reward.step_progress:
+            for ti, gain in zip(t.turns, progress_gains(t), strict=True):
+                if gain and ti.turn < len(local):
+                    bonus = reward.step_progress * gain
+                    local[ti.turn] = (local[ti.turn] if valid[ti.turn] else 0.0) + bonus
+                    valid[ti.turn] = True
+                    contrib[ti.turn] = {**contrib[ti.turn], "progress": bonus}
         local = [x if v else 0.0 for x, v in zip(local, valid, strict=True)]
         out.append(EpisodeRewards(local, valid, contrib, outcome, keep, scores))
     return out
+
+
+def progress_gains(traj: Trajectory) -> list[float]:
+    """Each turn's share of the request fulfilled: Δp_t = p_t − p_(t−1), p_(−1) = 0.
+
+    p_t is `TurnInfo.progress`, the world's `Outcome.progress` after turn t, so the gains sum
+    to the episode's final progress and only orders carry one: +1/n for a meal's course of n
+    that got a fitting order, −1/n for an order that does not fit (while anything is left to
+    lose), 1 for a single dish ordered right. As potential-based shaping (Ng et al., 1999) it
+    moves the outcome's credit onto the turn that earned it without changing which episodes
+    are best."""
+    before, gains = 0.0, []
+    for ti in traj.turns:
+        gains.append(ti.progress - before)
+        before = ti.progress
+    return gains
 
 
 def trainable(traj: Trajectory, truncated: bool = False) -> list:

@@ -570,6 +570,13 @@ class TurnInfo(BaseModel):
         description="The axiom guard replaced the policy's action with "
         "its fallback (not trained on).",
     )
+    progress: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="The share of the request fulfilled once this turn was played "
+        "(`Outcome.progress` so far): it moves only on the turns that order.",
+    )
 
     def trainable(self, truncated: bool = False) -> bool:
         """A policy update can train on this turn: the policy sampled it, the guard kept it,
@@ -772,6 +779,10 @@ class World:
             t.done, t.end = True, "budget"
         if t.done:
             t.outcome = self.outcome(t)
+        if action.kind == "tool" and action.tool == "order":
+            t.turns[-1].progress = (t.outcome or self.outcome(t)).progress
+        elif len(t.turns) > 1:
+            t.turns[-1].progress = t.turns[-2].progress
         return obs, t.done
 
     def outcome(self, traj: Trajectory | None = None) -> Outcome:

@@ -398,6 +398,39 @@ def test_the_global_reward_takes_progress_or_success_as_the_recipe_says(concierg
     assert got["progress"] == [pytest.approx(2 / 3), 1.0, 0.0]
 
 
+def test_step_progress_credits_the_order_that_fulfilled_a_course(concierge):
+    """Each turn records the share fulfilled so far; `reward.step_progress: μ` adds μ·Δp to
+    the turn that moved it (+1/3 a fitting course of three, 1 a single dish ordered right, −1/3
+    a second main) and nothing to any other turn."""
+    from kitchen.constitution import personalize
+    from kitchen.judge import judge
+    from kitchen.profile import Profile
+    from kitchen.train import RewardConfig, episode_rewards, progress_gains
+
+    actions = meal_actions()
+    meal = play([*actions[:8], "@order Green Curry", *actions[8:]], task=MEAL, max_turns=24).traj
+    good = play(["@search thai", "@order Mango Sticky Rice"]).traj
+    orders = [ti.turn for ti in meal.turns if ti.action.tool == "order"]
+    gains = progress_gains(meal)
+    assert [gains[i] for i in orders] == pytest.approx([1 / 3, 1 / 3, -1 / 3, 1 / 3])
+    assert not any(g for i, g in enumerate(gains) if i not in orders)
+    assert sum(gains) == pytest.approx(meal.outcome.progress) == pytest.approx(2 / 3)
+    assert progress_gains(good) == [0.0, 1.0]
+
+    trajs = [meal, good]
+    pcs = [personalize(concierge, Profile(id="u", dimensions=DIMS))] * 2
+    reviews = [judge(t, pc) for t, pc in zip(trajs, pcs, strict=True)]
+    plain = episode_rewards(trajs, reviews, pcs, RewardConfig(reviewer="judge"))
+    shaped = episode_rewards(trajs, reviews, pcs, RewardConfig(reviewer="judge", step_progress=2))
+    for p, s, t in zip(plain, shaped, trajs, strict=True):
+        for i, g in enumerate(progress_gains(t)):
+            base = p.local[i] if p.valid[i] else 0.0
+            assert s.local[i] == pytest.approx(base + 2 * g)
+            assert s.valid[i] == (p.valid[i] or bool(g))
+        assert s.outcome == p.outcome
+    assert shaped[1].contributions[1]["progress"] == 2.0
+
+
 def test_a_meal_ends_only_when_every_course_is_ordered():
     w = play(meal_actions()[:8] + ["Hello."] * 20, task=MEAL, max_turns=14)
     assert w.traj.end == "budget" and w.traj.outcome.success == 0
