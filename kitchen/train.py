@@ -214,7 +214,8 @@ class RewardConfig(StrictModel):
         "of the request it fulfilled (`progress_gains`; p is `Outcome.progress` so far, so only "
         "an order that fits moves it up, and one that does not moves it down). The verdicts "
         "alone are myopic: a check that keeps its clauses scores as well as the order it "
-        "delays. 0 (default): the verdicts only.",
+        "delays. A review flagged under `flagged: trajectory` gets none. 0 (default): the "
+        "verdicts only.",
     )
     truncated: Literal["worst", "drop"] = Field(
         "worst",
@@ -637,7 +638,7 @@ def episode_rewards(
                     local[ti.turn], valid[ti.turn] = worst, True
                     contrib[ti.turn] = {"truncated": worst}
                     scores[ti.turn] = {c.id: -1.0 for c in pc.clauses}
-        if reward.step_progress:
+        if reward.step_progress and not (reward.flagged == "trajectory" and r.flags):
             for ti, gain in zip(t.turns, progress_gains(t), strict=True):
                 if gain and ti.turn < len(local):
                     bonus = reward.step_progress * gain

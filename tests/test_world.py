@@ -429,6 +429,9 @@ def test_step_progress_credits_the_order_that_fulfilled_a_course(concierge):
             assert s.valid[i] == (p.valid[i] or bool(g))
         assert s.outcome == p.outcome
     assert shaped[1].contributions[1]["progress"] == 2.0
+    flagged = [reviews[1].model_copy(update={"flags": ["t1: fake verdicts"]})]
+    (attempt,) = episode_rewards([good], flagged, pcs[:1], RewardConfig(step_progress=2))
+    assert "progress" not in attempt.contributions[1]  # an attempt never pays
 
 
 def test_a_meal_ends_only_when_every_course_is_ordered():
