@@ -656,9 +656,9 @@ def progress_gains(traj: Trajectory) -> list[float]:
     p_t is `TurnInfo.progress`, the world's `Outcome.progress` after turn t, so the gains sum
     to the episode's final progress and only orders carry one: +1/n for a meal's course of n
     that got a fitting order, −1/n for an order that does not fit (while anything is left to
-    lose), 1 for a single dish ordered right. As potential-based shaping (Ng et al., 1999) it
-    moves the outcome's credit onto the turn that earned it without changing which episodes
-    are best."""
+    lose), 1 for a single dish ordered right. Shaping with the progress as its potential (Ng
+    et al., 1999): summed over an episode the pay is μ times its final progress, the quantity
+    `reward.outcome: progress` already ranks episodes by, moved onto the turns that earned it."""
     before, gains = 0.0, []
     for ti in traj.turns:
         gains.append(ti.progress - before)
