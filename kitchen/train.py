@@ -212,10 +212,11 @@ class RewardConfig(StrictModel):
         le=10,
         description="μ in r_t + μ·(p_t − p_(t−1)): a turn's local reward gains μ times the share "
         "of the request it fulfilled (`progress_gains`; p is `Outcome.progress` so far, so only "
-        "an order that fits moves it up, and one that does not moves it down). The verdicts "
-        "alone are myopic: a check that keeps its clauses scores as well as the order it "
-        "delays. A review flagged under `flagged: trajectory` gets none. 0 (default): the "
-        "verdicts only.",
+        "orders move it). The verdicts alone are myopic: a check that keeps its clauses scores "
+        "as well as the order it delays. Only turns with verdicts are paid; one scored the "
+        "worst (a red-line veto, a flag, a truncation) is never paid up, and a review flagged "
+        "under `flagged: trajectory` gets nothing. Needs a local signal that reads the reward "
+        "(not `local_signal: clauses`). 0 (default): the verdicts only.",
     )
     truncated: Literal["worst", "drop"] = Field(
         "worst",
@@ -537,6 +538,19 @@ def recipe_problems(recipe: Recipe) -> list[Problem]:
                     )
                 )
                 break
+    if recipe.reward.step_progress:
+        for block, cfg in arms.items():
+            if cfg.local_signal == "clauses":
+                out.append(
+                    recipe.problem(
+                        ("reward", "step_progress"),
+                        f"step_progress: {recipe.reward.step_progress:g} pays a turn's local "
+                        f"reward, but {block} compares each clause's verdicts on their own "
+                        "(local_signal: clauses) and never reads it; set step_progress: 0 or "
+                        "another local_signal",
+                    )
+                )
+                break
     lora = recipe.policy.lora
     if lora is not None and lora.alpha / lora.r > MAX_LORA_SCALE:
         out.append(
@@ -639,12 +653,16 @@ def episode_rewards(
                     contrib[ti.turn] = {"truncated": worst}
                     scores[ti.turn] = {c.id: -1.0 for c in pc.clauses}
         if reward.step_progress and not (reward.flagged == "trajectory" and r.flags):
+            worst = worst_reward(pc, reward.local_mode)
             for ti, gain in zip(t.turns, progress_gains(t), strict=True):
-                if gain and ti.turn < len(local):
-                    bonus = reward.step_progress * gain
-                    local[ti.turn] = (local[ti.turn] if valid[ti.turn] else 0.0) + bonus
-                    valid[ti.turn] = True
-                    contrib[ti.turn] = {**contrib[ti.turn], "progress": bonus}
+                i = ti.turn
+                if not gain or i >= len(local) or not valid[i]:
+                    continue  # a turn without verdicts gets no pay on their behalf either
+                if local[i] <= worst:  # vetoed, flagged, truncated: nothing buys it back
+                    gain = min(gain, 0.0)
+                bonus = reward.step_progress * gain
+                local[i] += bonus
+                contrib[i] = {**contrib[i], "progress": bonus}
         local = [x if v else 0.0 for x, v in zip(local, valid, strict=True)]
         out.append(EpisodeRewards(local, valid, contrib, outcome, keep, scores))
     return out
@@ -654,15 +672,24 @@ def progress_gains(traj: Trajectory) -> list[float]:
     """Each turn's share of the request fulfilled: Δp_t = p_t − p_(t−1), p_(−1) = 0.
 
     p_t is `TurnInfo.progress`, the world's `Outcome.progress` after turn t, so the gains sum
-    to the episode's final progress and only orders carry one: +1/n for a meal's course of n
-    that got a fitting order, −1/n for an order that does not fit (while anything is left to
-    lose), 1 for a single dish ordered right. Shaping with the progress as its potential (Ng
-    et al., 1999): summed over an episode the pay is μ times its final progress, the quantity
-    `reward.outcome: progress` already ranks episodes by, moved onto the turns that earned it."""
+    to the episode's final progress and only orders carry one: the steps of a meal's progress
+    (+1/n for an order that fills one of its n courses, −1/n for one that counts against it: a
+    misfit, a second dish for a course, a course not asked for; 0 while the floor at 0 holds),
+    1 for a single dish ordered right. Summed over an episode the pay is μ times its final
+    progress, the quantity `reward.outcome: progress` ranks episodes by, moved onto the turns
+    that made it (shaping with the progress as its potential, Ng et al. 1999, exactly so for
+    an undiscounted return). Episodes recorded before turns carried their progress are an
+    error, not silently unpaid."""
     before, gains = 0.0, []
     for ti in traj.turns:
         gains.append(ti.progress - before)
         before = ti.progress
+    if traj.outcome and traj.outcome.progress > 0 and not any(gains):
+        raise KitchenError(
+            f"episode {traj.id}: its outcome has progress {traj.outcome.progress:g} but no turn "
+            "records any (TurnInfo.progress); it was recorded before turns carried their "
+            "progress: play it again for reward.step_progress"
+        )
     return gains
 
 

@@ -503,6 +503,20 @@ def test_k_of_one_is_rejected_for_estimators_that_normalise_within_a_task(tmp_pa
     assert load_recipe(f).rollout.k == 1
 
 
+def test_step_progress_with_a_signal_that_never_reads_it_is_rejected(tmp_path):
+    """`reward.step_progress` pays the local reward; an arm that compares each clause's verdicts
+    on their own (`local_signal: clauses`) never reads it, so the recipe says so where it is."""
+    f = tmp_path / "r.yaml"
+    f.write_text(
+        "name: x\nreward: {step_progress: 1}\ncompare:\n  c:\n    preset: mapo\n"
+        "    overrides: {local_signal: clauses}\n"
+    )
+    with pytest.raises(KitchenError, match=r"r.yaml:2: reward.step_progress: .*compare.c"):
+        load_recipe(f)
+    f.write_text("name: x\nreward: {step_progress: 1}\n")
+    assert load_recipe(f).reward.step_progress == 1
+
+
 def test_preflight_stops_a_token_budget_the_context_cannot_hold(runs_dir):
     """Before the first iteration: a turn budget that leaves no room after the first prompt in
     the policy's context stops the run at rollout.max_new_tokens; nothing is trained or logged."""

@@ -424,14 +424,23 @@ def test_step_progress_credits_the_order_that_fulfilled_a_course(concierge):
     shaped = episode_rewards(trajs, reviews, pcs, RewardConfig(reviewer="judge", step_progress=2))
     for p, s, t in zip(plain, shaped, trajs, strict=True):
         for i, g in enumerate(progress_gains(t)):
-            base = p.local[i] if p.valid[i] else 0.0
-            assert s.local[i] == pytest.approx(base + 2 * g)
-            assert s.valid[i] == (p.valid[i] or bool(g))
-        assert s.outcome == p.outcome
+            assert p.valid[i] or not g  # every order has verdicts to pay
+            assert s.local[i] == pytest.approx(p.local[i] + 2 * g)
+        assert s.valid == p.valid and s.outcome == p.outcome
     assert shaped[1].contributions[1]["progress"] == 2.0
     flagged = [reviews[1].model_copy(update={"flags": ["t1: fake verdicts"]})]
     (attempt,) = episode_rewards([good], flagged, pcs[:1], RewardConfig(step_progress=2))
     assert "progress" not in attempt.contributions[1]  # an attempt never pays
+    # a fitting order of a dish no search returned breaks A3: under the veto nothing buys it back
+    unsearched = play(["@order Mango Sticky Rice"]).traj
+    assert progress_gains(unsearched) == [1.0]
+    veto = RewardConfig(reviewer="judge", red_lines="veto", step_progress=2)
+    (vetoed,) = episode_rewards([unsearched], [judge(unsearched, pcs[0])], pcs[:1], veto)
+    assert vetoed.local[0] == -1.0 and vetoed.contributions[0]["progress"] == 0.0
+    old = unsearched.model_copy(deep=True)
+    old.turns[0].progress = 0.0  # recorded before turns carried their progress
+    with pytest.raises(KitchenError, match="no turn records any"):
+        progress_gains(old)
 
 
 def test_a_meal_ends_only_when_every_course_is_ordered():
