@@ -644,16 +644,15 @@ def episode_rewards(
         )
         outcome = global_reward(done, r, reward.global_blend, reward.flagged)
         scores = clause_scores(r, pc, reward.flagged, reward.red_lines)
+        worst = worst_reward(pc, reward.local_mode)
         keep = reward.truncated == "worst"
         if keep:
-            worst = worst_reward(pc, reward.local_mode)
             for ti in t.turns:
                 if ti.truncated and ti.turn < len(local):
                     local[ti.turn], valid[ti.turn] = worst, True
                     contrib[ti.turn] = {"truncated": worst}
                     scores[ti.turn] = {c.id: -1.0 for c in pc.clauses}
         if reward.step_progress and not (reward.flagged == "trajectory" and r.flags):
-            worst = worst_reward(pc, reward.local_mode)
             for ti, gain in zip(t.turns, progress_gains(t), strict=True):
                 i = ti.turn
                 if not gain or i >= len(local) or not valid[i]:
