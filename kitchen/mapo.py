@@ -519,24 +519,42 @@ def alpha_at(step: int, schedule: AlphaSchedule) -> float:
 
 
 def kl_penalty(
-    logp: Tensor, ref_logp: Tensor, kind: Literal["k1", "k3"] = "k3", clamp: float | None = 10.0
+    logp: Tensor,
+    ref_logp: Tensor,
+    kind: Literal["k1", "k2", "k3"] = "k3",
+    clamp: float | None = 10.0,
 ) -> Tensor:
     """Per-token estimate of KL(π ‖ π_ref) from the sampled token's log-probs (Schulman 2020).
 
-        k1 = log π − log π_ref                     (unbiased, high variance; verl "kl")
+        k1 = log π − log π_ref = −d                (unbiased, high variance; verl "kl")
+        k2 = d² / 2                                (verl "mse")
         k3 = exp(d) − d − 1,  d = log π_ref − log π (≥ 0, low variance; verl "low_var_kl")
 
-    For k3, d is clamped to [−20, 20] and, where d > 0, the result to `clamp` (`None`: TRL's
-    unclamped form). Only that side: there exp(d) explodes on a token the policy has all but
+    All three estimate the *value* of the reverse KL. Used as a loss term on tokens sampled from
+    π and differentiated through log π alone (as here, TRL and verl do), their expected
+    *gradients* differ (tests/test_mapo.py checks each against autograd of the exact KL):
+
+        E_π[∇k1] = E_π[∇log π] = 0                              (no pull at all)
+        E_π[∇k2] = E_π[(log π − log π_ref) ∇log π] = ∇ KL(π ‖ π_ref)     (reverse, mode-seeking)
+        E_π[∇k3] = E_π[(1 − π_ref/π) ∇log π] = ∇ KL(π_ref ‖ π)          (forward, mass-covering)
+
+    So k3 in the loss pays the policy to keep mass on every token the reference could sample —
+    its tail included — while k2 lets it drop the tail and pulls back only where it moved mass.
+
+    d is clamped to [−20, 20]. For k3, where d > 0 the result is clamped to `clamp` (`None`:
+    TRL's unclamped form). Only that side: there exp(d) explodes on a token the policy has all but
     abandoned. Where d < 0 — the policy has put its mass on a token the reference finds unlikely,
     which is what a drifting policy samples — k3 ≈ −d − 1 grows only linearly, its gradient in
     log π is 1 − exp(d) ≤ 1, and a clamp there (verl's `kl_penalty_forward` clamps both sides)
     would zero the very gradient that pulls the policy back: measured on the main job, a seed
-    whose KL passed ~3 never came back, its β doubling to 10⁹. Shapes: [B, T] → [B, T].
+    whose KL passed ~3 never came back, its β doubling to 10⁹. k2 grows quadratically on both
+    sides and needs no clamp. Shapes: [B, T] → [B, T].
     """
     if kind == "k1":
         return logp - ref_logp
     d = (ref_logp - logp).clamp(-20.0, 20.0)
+    if kind == "k2":
+        return 0.5 * d * d
     k3 = torch.exp(d) - d - 1.0
     return k3 if clamp is None else torch.where(d > 0, k3.clamp(max=clamp), k3)
 
@@ -637,7 +655,7 @@ def mapo_loss(
     ref_logp: Tensor | None = None,
     old_logp: Tensor | None = None,
     beta: float = 0.0,
-    kl: Literal["k1", "k3"] = "k3",
+    kl: Literal["k1", "k2", "k3"] = "k3",
     kl_clamp: float | None = 10.0,
     agg: str = "token-mean",
     norm_len: int | None = None,
@@ -668,9 +686,11 @@ def mapo_loss(
     pg = -w * a * logp
     per_token = pg
     if beta and ref_logp is not None:
-        k = kl_penalty(logp, ref_logp, kl, kl_clamp)
-        per_token = pg + beta * k
-        metrics["kl/mean"] = aggregate(k.detach(), mask, "token-mean").item()
+        per_token = pg + beta * kl_penalty(logp, ref_logp, kl, kl_clamp)
+        # The reported KL (and what an adaptive β reads) is k3's value whichever estimator the
+        # gradient comes from: one scale across settings.
+        k = kl_penalty(logp.detach(), ref_logp, "k3", kl_clamp)
+        metrics["kl/mean"] = aggregate(k, mask, "token-mean").item()
     loss = aggregate(per_token, mask, agg, norm_len)
     metrics["loss/pg"] = aggregate(pg.detach(), mask, agg, norm_len).item()
     metrics["loss/total"] = loss.item()
@@ -793,9 +813,13 @@ class AdvantageConfig(StrictModel):
         description="KL coefficient. 0 as TRL's and verl's defaults now are; the GRPO paper used "
         "0.04, verl's GRPO examples 0.001.",
     )
-    kl: Literal["k1", "k3"] = Field(
+    kl: Literal["k1", "k2", "k3"] = Field(
         "k3",
-        description="KL estimator: k3 (low variance, ≥ 0) as the method (docs/method.md#policy-update) and GRPO use.",
+        description="The KL penalty's estimator in the loss (`kl_penalty`): k3 (low variance, "
+        "≥ 0) as GRPO, TRL and verl use, whose gradient is the forward KL's and keeps the "
+        "reference's tail; k2, whose gradient is the reverse KL's and lets the policy drop it; "
+        "k1 pulls nothing in expectation (docs/method.md#policy-update). kl/mean reports k3's "
+        "value in every case.",
     )
     kl_target: float | None = Field(
         None,

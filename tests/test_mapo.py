@@ -515,6 +515,46 @@ def test_kl_estimators():
     assert (kl_penalty(logp, ref, "k3") >= 0).all()
 
 
+def test_kl_estimators_in_the_loss_follow_different_kls():
+    """Differentiated through log π on tokens drawn from π (the expectation taken exactly over a
+    six-token vocabulary), k2's gradient is the reverse KL's, k3's the forward KL's and k1's zero.
+    The forward KL keeps the reference's tail: it pulls a suppressed token back up, k2 does not."""
+    ref = torch.log_softmax(torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0]), 0)
+    theta0 = torch.tensor([3.0, 0.5, 0.0, -2.0, -4.0, -3.0])  # tail tokens suppressed
+
+    def grad(objective):
+        theta = theta0.clone().requires_grad_(True)
+        logp = torch.log_softmax(theta, 0)
+        objective(logp).backward()
+        return theta.grad
+
+    def expected(kind):  # E_{x~π}[k(x)], π's weights held fixed: what the loss averages
+        return lambda logp: (logp.exp().detach() * kl_penalty(logp, ref, kind, None)).sum()
+
+    reverse = grad(lambda logp: (logp.exp() * (logp - ref)).sum())
+    forward = grad(lambda logp: (ref.exp() * (ref - logp)).sum())
+    assert_close(grad(expected("k2")), reverse)
+    assert_close(grad(expected("k3")), forward)
+    assert_close(grad(expected("k1")), torch.zeros(6))
+    # A descent step on k3 raises the suppressed tokens (3, 4) more than one on k2 does.
+    assert (-grad(expected("k3"))[3:5] > -grad(expected("k2"))[3:5]).all()
+    assert not torch.allclose(reverse, forward)
+
+
+def test_kl_mean_reports_k3_whichever_estimator_the_loss_uses():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, -0.4]])
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 3)
+    reported = [
+        mapo_loss(logp, adv, mask, ref_logp=ref, beta=0.1, kl=kind)[1]["kl/mean"]
+        for kind in ("k1", "k2", "k3")
+    ]
+    assert reported[0] == pytest.approx(reported[2]) and reported[1] == pytest.approx(reported[2])
+    loss_k2 = mapo_loss(logp, adv, mask, ref_logp=ref, beta=0.1, kl="k2")[0]
+    loss_k3 = mapo_loss(logp, adv, mask, ref_logp=ref, beta=0.1, kl="k3")[0]
+    assert loss_k2.item() != pytest.approx(loss_k3.item())
+
+
 def test_k3_keeps_its_gradient_where_the_policy_drifted():
     """The clamp bounds only the exponential side (d > 0). A token the policy now prefers far
     more than the reference (d = −15, a drifted policy's sample) keeps k3 = −d − 1 = 14 and a

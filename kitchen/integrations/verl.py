@@ -47,6 +47,7 @@ The limits, in the order a user meets them:
   in the loss (`actor.use_kl_loss=True, kl_loss_type=low_var_kl`), as MAPO does. The loss, and
   so β, is verl's (`actor.kl_loss_coef`, fixed): `advantage.beta` and `kl_target` are not read,
   and verl clamps its k3 on both sides, where `mapo.kl_penalty` keeps the drifted side's gradient.
+  verl's `kl_loss_type=mse` is `advantage.kl: k2` (the reverse KL's gradient, `mapo.kl_penalty`).
 - The review runs in verl's reward-loop workers (CPU actors): the rule judge, or a GRM checkpoint
   small enough to load there (the tiny GRM). A large GRM served by verl's reward-model router
   is not wired in (the prompt and parser in `kitchen.grm` are the pieces to reuse).
