@@ -542,6 +542,7 @@ def test_kl_estimators_in_the_loss_follow_different_kls():
 
 
 def test_kl_mean_reports_k3_whichever_estimator_the_loss_uses():
+    """`kl/mean` — what the adaptive β reads — is k3's value for every estimator; the loss is not."""
     logp = torch.tensor([[-1.0, -2.0, -0.5]])
     ref = torch.tensor([[-1.5, -1.0, -0.4]])
     adv, mask = torch.tensor([1.0]), torch.ones(1, 3)
