@@ -686,11 +686,12 @@ def mapo_loss(
     pg = -w * a * logp
     per_token = pg
     if beta and ref_logp is not None:
-        per_token = pg + beta * kl_penalty(logp, ref_logp, kl, kl_clamp)
+        k = kl_penalty(logp, ref_logp, kl, kl_clamp)
+        per_token = pg + beta * k
         # The reported KL (and what an adaptive β reads) is k3's value whichever estimator the
-        # gradient comes from: one scale across settings.
-        k = kl_penalty(logp.detach(), ref_logp, "k3", kl_clamp)
-        metrics["kl/mean"] = aggregate(k, mask, "token-mean").item()
+        # gradient comes from: one scale across settings. Under k3 it is the loss's own term.
+        shown = k.detach() if kl == "k3" else kl_penalty(logp.detach(), ref_logp, "k3", kl_clamp)
+        metrics["kl/mean"] = aggregate(shown, mask, "token-mean").item()
     loss = aggregate(per_token, mask, agg, norm_len)
     metrics["loss/pg"] = aggregate(pg.detach(), mask, agg, norm_len).item()
     metrics["loss/total"] = loss.item()
