@@ -14,7 +14,7 @@ compliance, success, per task kind and per clause.
     .venv/bin/python benchmarks/bench_nb05.py --iterations 0 --set eval.seed=1   # no training
     .venv/bin/python benchmarks/bench_nb05.py --episodes   # and what the episodes did, per kind
 
-`--episodes` plays the held-out jobs once more before and after and prints, for meals and single
+`--episodes` also prints, from the same held-out episodes before and after, for meals and single
 dishes apart: turns, how episodes ended (ordered, out of turns, the diner left), the share of the
 request fulfilled, actions and the rule judge's violations per episode — where a change in
 compliance comes from.
@@ -90,14 +90,12 @@ def reading(report: dict) -> str:
     return f"{head}\n    per clause: {clauses}"
 
 
-def episodes_reading(run) -> str:
-    """The held-out jobs played once more by `run`'s policy, read per task kind (`--episodes`)."""
+def episodes_reading(trajs, pcs) -> str:
+    """The held-out episodes (`held_out_episodes`), read per task kind (`--episodes`)."""
     from collections import Counter
 
     from kitchen.judge import judge
-    from kitchen.train import held_out_episodes
 
-    trajs, pcs = held_out_episodes(run.model, run.tok, run.recipe, run.constitution)
     lines = []
     for kind, meal in (("meals", True), ("single dishes", False)):
         pairs = [(t, pc) for t, pc in zip(trajs, pcs, strict=True) if bool(t.task.courses) == meal]
@@ -125,7 +123,7 @@ def episodes_reading(run) -> str:
 
 
 def main() -> None:
-    from kitchen.train import Run
+    from kitchen.train import Run, held_out_episodes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -143,10 +141,16 @@ def main() -> None:
     except (KitchenError, ValueError) as e:  # a pydantic ValidationError is a ValueError
         raise SystemExit(f"bench_nb05: {e}") from None
     run = Run(recipe, folder=tempfile.mkdtemp(prefix="bench-nb05-"), progress=False)
+
+    def read(when: str) -> None:
+        """One reading; with `--episodes` the same held-out episodes, read per kind too."""
+        played = held_out_episodes(run.model, run.tok, run.recipe, run.constitution)
+        print(f"{when}{reading(run.evaluate(played))}", flush=True)
+        if args.episodes:
+            print(episodes_reading(*played), flush=True)
+
     print("command: python benchmarks/bench_nb05.py", *sys.argv[1:])
-    print(f"  before: {reading(run.evaluate())}", flush=True)
-    if args.episodes:
-        print(episodes_reading(run), flush=True)
+    read("  before: ")
     if args.iterations < 1:
         return
     t = time.perf_counter()
@@ -154,9 +158,7 @@ def main() -> None:
         run.step()
     seconds = time.perf_counter() - t
     print(f"  after {recipe.train.iterations} iterations ({seconds:.0f} s of training):")
-    print(f"         {reading(run.evaluate())}")
-    if args.episodes:
-        print(episodes_reading(run))
+    read("         ")
 
 
 if __name__ == "__main__":

@@ -1285,12 +1285,17 @@ class Run:
 
     # -- evaluation -------------------------------------------------------------------------
 
-    def evaluate(self) -> dict[str, Any]:
-        """Held-out evaluation of the current policy (rule judge); appends to eval.jsonl."""
+    def evaluate(
+        self, episodes: tuple[Sequence[Trajectory], Sequence[Any]] | None = None
+    ) -> dict[str, Any]:
+        """Held-out evaluation of the current policy (rule judge); appends to eval.jsonl.
+        `episodes`: the held-out jobs already played by this policy (`held_out_episodes`), to
+        read them without playing them again."""
         t0 = time.perf_counter()
-        rep, kinds = held_out_report(
-            self.model, self.tok, self.recipe, self.constitution, by_kind=True
-        )
+        played = episodes
+        if played is None:
+            played = held_out_episodes(self.model, self.tok, self.recipe, self.constitution)
+        rep, kinds = reports_of(*played)
         row = json_ready({"iteration": self.iteration, **rep.model_dump(mode="json")})
         row["by_kind"] = {k: json_ready(r.model_dump(mode="json")) for k, r in kinds.items()}
         write_jsonl(self.folder / "eval.jsonl", [row], append=True)
@@ -1417,17 +1422,10 @@ def held_out_episodes(
     return trajs, [pc for _, pc, _ in jobs for _ in range(cfg.samples)]
 
 
-def held_out_report(
-    model: Any, tok: Any, recipe: Recipe, constitution: Any = None, *, by_kind: bool = False
-) -> Any:
-    """`recipe.eval`'s held-out jobs played by `model` (the recipe's rollout settings, k =
-    `eval.samples`), judged by rules: the evaluation `kitchen cook` logs every `eval_every`.
-    With `by_kind`, `(report, {"short": report, "long": report})` — the same episodes split by
-    task kind (a kind the held-out set lacks is left out)."""
-    trajs, pcs = held_out_episodes(model, tok, recipe, constitution)
+def reports_of(trajs: Sequence[Trajectory], pcs: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
+    """The rule judge's report of held-out episodes, and the same episodes' report per task kind
+    (`{"short": report, "long": report}`; a kind they lack is left out)."""
     report = policy_report(trajs, pcs)
-    if not by_kind:
-        return report
     kinds = {}
     for kind, meal in (("short", False), ("long", True)):
         idx = [i for i, t in enumerate(trajs) if bool(t.task.courses) == meal]

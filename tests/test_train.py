@@ -20,6 +20,7 @@ from kitchen.train import (
     Run,
     cook,
     file_problems,
+    held_out_episodes,
     latest_checkpoint,
     load_recipe,
     load_run_policy,
@@ -728,12 +729,14 @@ def test_bench_nb05_changes_one_field_and_says_which_is_wrong():
         bench.changed(recipe, ["train.lr"], 5, 12)
 
 
-def test_bench_nb05_reads_the_episodes_per_task_kind(runs_dir):
+def test_bench_nb05_reads_the_episodes_per_task_kind(runs_dir, monkeypatch):
     """`--episodes`: the held-out jobs played by the run's policy, per task kind — turns, how the
     episodes ended, the share fulfilled, actions and violations per episode — and the counts add
-    up to the episodes played."""
+    up to the episodes played. `Run.evaluate` reads the same episodes without playing them
+    again, and its reading is the one it gives when it plays them itself."""
     import re
 
+    from kitchen import train as train_module
     from tests.conftest import load_benchmark
 
     bench = load_benchmark("bench_nb05")
@@ -742,7 +745,19 @@ def test_bench_nb05_reads_the_episodes_per_task_kind(runs_dir):
         eval={"tasks": 8, "samples": 1, "long_share": 0.5},
         rollout={"long_max_turns": 6},
     )
-    text = bench.episodes_reading(Run(recipe, progress=False))
+    run = Run(recipe, progress=False)
+    played = held_out_episodes(run.model, run.tok, run.recipe, run.constitution)
+    own = run.evaluate()
+    plays = []
+    monkeypatch.setattr(train_module, "held_out_episodes", lambda *a: plays.append(a))
+    given = run.evaluate(played)
+    assert plays == []
+    drop = ("time/eval_s",)
+    assert {k: v for k, v in given.items() if k not in drop} == {
+        k: v for k, v in own.items() if k not in drop
+    }
+    assert "eval/long_compliance" in given and "eval/short_compliance" in given
+    text = bench.episodes_reading(*played)
     heads = re.findall(
         r"^    (meals|single dishes) \((\d+)\): ([\d.]+) turns, ended (\{.*\})", text, re.M
     )
