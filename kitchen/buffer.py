@@ -78,6 +78,7 @@ _COLUMNS: dict[str, torch.dtype] = {
     "tok_len": torch.int32,
     "tok_hash": torch.long,
     "valid": torch.bool,  # the sample carries a local signal (see mapo.StepBatch.valid)
+    "blocked": torch.bool,  # a candidate the axiom guard blocked (see mapo.StepBatch.blocked)
     "alive": torch.bool,
 }
 
@@ -231,8 +232,11 @@ class ReplayBuffer:
             "tok_len": tok_len.to(torch.int32),
             "tok_hash": _token_hash(flat_tok, tok_len),
             "valid": samples.valid,
+            "blocked": samples.blocked_mask(),
             "alive": torch.ones(n, dtype=torch.bool),
         }
+        if "blocked" not in self._col:  # a buffer pickled before the column existed
+            self._col["blocked"] = torch.zeros(self._alloc, dtype=torch.bool)
         if samples.clauses is not None or self.clause_weight is not None:
             cols["clauses"] = self._clause_rows(samples)
         if samples.form_reward is not None or "form_reward" in self._col:
@@ -554,9 +558,15 @@ class ReplayBuffer:
             fresh=fresh,
             run=torch.cat([run, c["run"][history]]),
             valid=torch.cat([samples.valid, c["valid"][history]]),
+            blocked=torch.cat([samples.blocked_mask(), self._blocked(history)]),
             **self._clauses_of(samples, history),
             **self._forms_of(samples, history),
         )
+
+    def _blocked(self, rows: Tensor) -> Tensor:
+        """The `blocked` column at `rows` (False for a buffer pickled before it existed)."""
+        col = self._col.get("blocked")
+        return torch.zeros(rows.numel(), dtype=torch.bool) if col is None else col[rows]
 
     def _clauses_of(self, samples: StepSamples, history: Tensor) -> dict[str, Tensor | None]:
         """`clauses` and `clause_weight` for `batch`: the fresh samples' then the history's."""
@@ -602,6 +612,7 @@ class ReplayBuffer:
             clause_weight=self.clause_weight,
             form_reward=c["form_reward"][rows] if "form_reward" in c else None,
             form_key=c["form_key"][rows] if "form_key" in c else None,
+            blocked=self._blocked(rows),
         )
 
     # -------------------------------------------------------------------------------- memory

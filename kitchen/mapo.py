@@ -879,7 +879,9 @@ class StepBatch:
     give: no signal is not a zero). `clauses` ([N, C], NaN where a clause does not apply) and
     `clause_weight` ([C]) are the turn's per-clause verdicts, for `local_signal: clauses`.
     `form_reward` ([N]) is the share of `local_reward` the config's `form_clauses` gave and
-    `form_key` ([N] int) codes the turn's verdicts on them, for `form_judged`.
+    `form_key` ([N] int) codes the turn's verdicts on them, for `form_judged`. `blocked` ([N]
+    bool, default none) marks candidates the axiom guard blocked: they did not make their
+    episode's outcome, so they get A_global = 0 and stay out of the global statistics.
     """
 
     local_reward: Tensor
@@ -896,6 +898,7 @@ class StepBatch:
     clause_weight: Tensor | None = None
     form_reward: Tensor | None = None
     form_key: Tensor | None = None
+    blocked: Tensor | None = None
 
     def __len__(self) -> int:
         return self.local_reward.shape[0]
@@ -1020,19 +1023,27 @@ def advantages(
 
     a_global = torch.zeros_like(batch.local_reward)
     if uses_global:
-        g_keys = batch.task_group.long() if config.global_groups == "task" else runs
+        # a candidate the guard blocked did not make its episode's outcome: A_global = 0, and
+        # it stays out of the statistics the played turns are normalised by
+        own = (
+            torch.arange(n, device=dev)
+            if batch.blocked is None
+            else (~batch.blocked.bool()).nonzero()[:, 0]
+        )
+        g_keys = (batch.task_group.long() if config.global_groups == "task" else runs)[own]
         if config.global_signal == "return":
-            a_global, g_stats = global_advantages(
-                batch.ret, g_keys, norm=config.global_norm, unit="step"
+            sub, g_stats = global_advantages(
+                batch.ret[own], g_keys, norm=config.global_norm, unit="step"
             )
         else:
-            a_global, g_stats = global_advantages(
-                batch.global_reward,
+            sub, g_stats = global_advantages(
+                batch.global_reward[own],
                 g_keys,
                 norm=config.global_norm,
-                traj=batch.traj,
+                traj=batch.traj[own],
                 unit=config.global_unit,
             )
+        a_global[own] = sub
         metrics |= _moments("global", a_global[rows]) | _group_metrics("global", g_stats, None)
 
     alpha = alpha_at(step, config.alpha)

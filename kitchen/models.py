@@ -801,6 +801,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     entropy_grad: bool = False,
     positions: torch.Tensor | None = None,
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each next token and the policy's entropy at each position.
 
@@ -824,6 +825,10 @@ def token_logprobs(
     of the final hidden states alone, and every other entry is 0. In a training update most
     positions are prompt, so this skips most of the vocabulary-sized work. Models that change
     their logits after the output layer (logit soft-capping or scaling) take the full path.
+
+    `tree` (position ids [B, T], boolean attention [B, 1, T, T], True where a token attends)
+    replaces the causal order, for sequences that hold branches (`train.unit_tree`); the model's
+    attention must take a custom mask (`takes_tree`).
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(
@@ -838,23 +843,27 @@ def token_logprobs(
         chunk_size = max(1, LOGIT_BUDGET // max(1, T * vocab))
     mask = attention_mask.long()
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: left padding starts at 0
+    attend: torch.Tensor = mask  # what the attention reads: the padding, or the tree's mask
+    if tree is not None:
+        position_ids, attend = tree[0], _tree_mask(model, tree[1])
     if positions is not None and _plain_logits(model):
         return _selected_logprobs(
             model,
             input_ids,
-            mask,
+            attend,
             position_ids,
             positions.bool() & mask[:, 1:].bool(),
             entropy_grad,
         )
     out_logp, out_ent = [], []
     for s in range(0, B, chunk_size):
-        ids, am, pos = (
+        ids, am, pos, att = (
             input_ids[s : s + chunk_size],
             mask[s : s + chunk_size],
             position_ids[s : s + chunk_size],
+            attend[s : s + chunk_size],
         )
-        logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).logits
         z = logits[:, :-1].float()  # [b, T-1, V]: position t predicts token t+1
         lse = torch.logsumexp(z, dim=-1)  # [b, T-1]
         logp = z.gather(-1, ids[:, 1:, None]).squeeze(-1) - lse  # [b, T-1]
@@ -864,6 +873,28 @@ def token_logprobs(
         out_logp.append(logp.masked_fill(~valid, 0.0))
         out_ent.append(ent.masked_fill(~valid, 0.0))
     return torch.cat(out_logp), torch.cat(out_ent)
+
+
+def takes_tree(model: torch.nn.Module) -> bool:
+    """The model's attention takes a custom 4-D mask (SDPA or eager; not flash attention)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
+    return impl in ("sdpa", "eager")
+
+
+def _tree_mask(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean [B, 1, T, T] mask as the model's attention takes it: as it is for SDPA, as an
+    additive float mask (0 or the dtype's minimum) for eager attention."""
+    if not takes_tree(model):
+        raise ValueError(
+            "packed branches need an attention that takes a custom mask (sdpa or eager); this "
+            f"model uses {model.config._attn_implementation!r}"
+        )
+    if model.config._attn_implementation == "sdpa":
+        return allowed.bool()
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed.bool(), torch.finfo(dtype).min
+    )
 
 
 def _plain_logits(model: torch.nn.Module) -> bool:

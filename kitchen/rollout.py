@@ -57,6 +57,7 @@ from kitchen.constitution import PersonalConstitution
 from kitchen.world import (
     DEFAULT_MAX_TURNS,
     LONG_MAX_TURNS,
+    Blocked,
     Menu,
     Task,
     Trajectory,
@@ -472,12 +473,24 @@ def _take(
 ) -> bool:
     """Hand a candidate action to its world, unless the guard blocks it; False = regenerate.
 
-    A blocked candidate is logged; at the guard's last attempt its fallback message is played
-    instead (marked `guarded`, never trained on)."""
+    A blocked candidate is logged and kept on the trajectory (`Trajectory.blocked`); at the
+    guard's last attempt its fallback message is played instead (marked `guarded`, never
+    trained on)."""
     bad = g.violations(w.traj, text) if g is not None else []
     if bad:
         last = attempt >= g.budget
         g.log.append(_interception(w, attempt, text, bad, last))
+        if ids:  # the policy's own tokens: an exact-state negative a trainer may learn from
+            w.traj.blocked.append(
+                Blocked(
+                    turn=len(w.traj.turns),
+                    attempt=attempt,
+                    tokens=list(ids),
+                    logprobs=list(logp),
+                    truncated=truncated,
+                    clauses=[c for c, _ in bad],
+                )
+            )
         stats.extra["guard/blocked"] = stats.extra.get("guard/blocked", 0) + 1
         if not last:
             return False

@@ -87,6 +87,8 @@ class StepSamples:
         form_reward   the share of `local_reward` the config's `form_clauses` gave, and
         form_key      [N] int code of the turn's verdicts on them, or None (both or neither):
                       what `mapo.form_judged` reads
+        blocked       [N] bool: a candidate the axiom guard blocked (`TrainConfig.guard`),
+                      trained on at its state with no global advantage; None: none is
 
     Lists are coerced: `turn` to int64, rewards to float32, `valid` to bool (default all True),
     an int `version` to one per sample, `abstract` None to the exact key.
@@ -110,6 +112,7 @@ class StepSamples:
     clause_weight: Tensor | None = None
     form_reward: Tensor | None = None
     form_key: Tensor | None = None
+    blocked: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.state)
@@ -155,6 +158,10 @@ class StepSamples:
             self.form_key = torch.as_tensor(self.form_key, dtype=torch.long).reshape(-1)
             if len(self.form_reward) != n or len(self.form_key) != n:
                 raise ValueError(f"form_reward and form_key need {n} entries each")
+        if self.blocked is not None:
+            self.blocked = torch.as_tensor(self.blocked, dtype=torch.bool).reshape(-1)
+            if len(self.blocked) != n:
+                raise ValueError(f"blocked has {len(self.blocked)} entries for {n} samples")
         m = int(self.tok_len.sum())
         if self.tokens.shape[0] != m or self.logp.shape[0] != m:
             raise ValueError(
@@ -177,6 +184,12 @@ class StepSamples:
                 out[f.name] = _cat_keys(vals)
             elif f.name in ("run", "clauses", "form_reward", "form_key"):
                 out[f.name] = None if any(v is None for v in vals) else torch.cat(vals)
+            elif f.name == "blocked":  # a part without any blocked sample has none
+                out[f.name] = (
+                    None
+                    if all(v is None for v in vals)
+                    else torch.cat([p.blocked_mask() for p in parts])
+                )
             elif f.name == "clause_weight":
                 same = all(v is not None and torch.equal(v, vals[0]) for v in vals)
                 if vals[0] is not None and not same:
@@ -185,6 +198,10 @@ class StepSamples:
             else:
                 out[f.name] = torch.cat(vals)
         return cls(**out)
+
+    def blocked_mask(self) -> Tensor:
+        """[N] bool: the samples the axiom guard blocked (all False when `blocked` is None)."""
+        return torch.zeros(len(self), dtype=torch.bool) if self.blocked is None else self.blocked
 
     def actions(self, what: Literal["tokens", "logp"] = "tokens") -> list[list]:
         """Each sample's action tokens (or their log-probs at collection) as a list."""
@@ -216,6 +233,7 @@ class StepSamples:
             clause_weight=self.clause_weight,
             form_reward=self.form_reward,
             form_key=self.form_key,
+            blocked=self.blocked,
         )
 
 

@@ -67,7 +67,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import torch
 import yaml
@@ -98,6 +98,7 @@ from kitchen.evaluate import (
 )
 from kitchen.files import atomic_write_bytes, atomic_write_text, read_jsonl, write_jsonl
 from kitchen.grm import GRM, GRMConfig
+from kitchen.guard import AxiomGuard
 from kitchen.jobs import Job, pair_jobs
 from kitchen.judge import judge
 from kitchen.mapo import (
@@ -118,6 +119,7 @@ from kitchen.models import (
     load_adapter,
     load_model,
     save_adapter,
+    takes_tree,
     token_logprobs,
     use_adapter,
 )
@@ -253,6 +255,17 @@ class TrainConfig(StrictModel):
         le=1,
         description="Share of the task pool that are meals (long tasks: several courses, "
         "12–20 turns, played with `rollout.long_max_turns`). 0: single dishes only.",
+    )
+    guard: Literal["off", "play", "learn"] = Field(
+        "off",
+        description="The axiom guard during training rollouts (kitchen.guard): 'off' (default) "
+        "plays every action the policy samples; 'play' plays behind the guard (a candidate that "
+        "breaks a red line is regenerated, up to the guard's budget, then replaced by its "
+        "fallback) and drops what it blocked; 'learn' also trains on each blocked candidate as "
+        "a step sample at the very state it was written in, with the lowest local reward and "
+        "no global advantage (it did not make its episode's outcome): an exact-state negative "
+        "beside the policy's next try. The guard decides by the rule judge, so with 'learn' "
+        "the red lines' training signal comes from the rules the evaluation counts with.",
     )
     lr: float = Field(
         2e-4,
@@ -623,6 +636,7 @@ class EpisodeRewards:
     outcome: float  # R, the global reward
     truncated: bool = False  # truncated turns are trained on (with the worst local reward)
     scores: list[dict[str, float]] | None = None  # [T] clause id → +1 / −1 (`clause_scores`)
+    blocked: float | None = None  # the local reward of a guard-blocked candidate (None: dropped)
 
 
 def episode_rewards(
@@ -630,8 +644,11 @@ def episode_rewards(
     reviews: Sequence[Review],
     pcs: Sequence[PersonalConstitution],
     reward: RewardConfig,
+    blocked: bool = False,
 ) -> list[EpisodeRewards]:
-    """Each episode's local rewards per turn and its global reward, as `reward` defines them."""
+    """Each episode's local rewards per turn and its global reward, as `reward` defines them;
+    with `blocked`, the local reward the guard's blocked candidates are trained on (the
+    lowest: `TrainConfig.guard == "learn"`)."""
     out = []
     for t, r, pc in zip(trajs, reviews, pcs, strict=True):
         local, valid, contrib = turn_rewards(
@@ -663,7 +680,9 @@ def episode_rewards(
                 local[i] += bonus
                 contrib[i] = {**contrib[i], "progress": bonus}
         local = [x if v else 0.0 for x, v in zip(local, valid, strict=True)]
-        out.append(EpisodeRewards(local, valid, contrib, outcome, keep, scores))
+        out.append(
+            EpisodeRewards(local, valid, contrib, outcome, keep, scores, worst if blocked else None)
+        )
     return out
 
 
@@ -714,32 +733,72 @@ def step_samples(
     samples also carry each turn's verdict per clause (`StepSamples.clauses`), which
     `local_signal: clauses` normalises. With `config.form_clauses`, each sample carries the
     share of its local reward those clauses gave and a code of its verdicts on them
-    (`form_share`), which `mapo.form_judged` reads."""
+    (`form_share`), which `mapo.form_judged` reads.
+
+    With `rw.blocked` set, each candidate the guard blocked (`Trajectory.blocked`) follows its
+    episode's turns as a sample of its own: the state of the turn it was a candidate for, the
+    local reward and step return `rw.blocked`, a violation of each axiom it broke, and
+    `blocked` True (no global advantage: `mapo.advantages`)."""
     cols: dict[str, list] = {k: [] for k in ("state", "abstract", "group", "traj", "turn")}
     tokens, logp, local, ret, outcome, valid, verdicts = [], [], [], [], [], [], []
     forms: list[tuple[float, int]] = []
+    blocked: list[bool] = []
     ids = list(clause_weights or {})
+
+    def add(t, i, ti, *, toks, lps, reward, ok, g, scores, form, was_blocked=False) -> None:
+        cols["state"].append(ti.exact_key)
+        cols["abstract"].append(ti.abstract_key)
+        cols["group"].append(group_of(i))
+        cols["traj"].append(t.id)
+        cols["turn"].append(ti.turn)
+        tokens.append(toks)
+        logp.append(lps)
+        local.append(reward)
+        valid.append(ok)
+        ret.append(g)
+        outcome.append(rewards[i].outcome)
+        if clause_weights is not None:
+            verdicts.append([scores.get(c, math.nan) for c in ids])
+        if config.form_clauses:
+            forms.append(form)
+        blocked.append(was_blocked)
+
     for i, (t, rw) in enumerate(zip(trajs, rewards, strict=True)):
         if not t.turns:
             continue
         g = returns_for(config, torch.tensor([rw.local]), torch.tensor([rw.outcome]))[0]  # [T]
         for ti in trainable(t, rw.truncated):
-            cols["state"].append(ti.exact_key)
-            cols["abstract"].append(ti.abstract_key)
-            cols["group"].append(group_of(i))
-            cols["traj"].append(t.id)
-            cols["turn"].append(ti.turn)
-            tokens.append(ti.tokens)
-            logp.append(ti.logprobs)
-            local.append(rw.local[ti.turn])
-            valid.append(rw.valid[ti.turn])
-            ret.append(float(g[ti.turn]))
-            outcome.append(rw.outcome)
-            if clause_weights is not None:
-                turn = rw.scores[ti.turn] if rw.scores and ti.turn < len(rw.scores) else {}
-                verdicts.append([turn.get(c, math.nan) for c in ids])
-            if config.form_clauses:
-                forms.append(form_share(rw, ti.turn, config.form_clauses))
+            turn = rw.scores[ti.turn] if rw.scores and ti.turn < len(rw.scores) else {}
+            form = form_share(rw, ti.turn, config.form_clauses) if config.form_clauses else None
+            add(
+                t,
+                i,
+                ti,
+                toks=ti.tokens,
+                lps=ti.logprobs,
+                reward=rw.local[ti.turn],
+                ok=rw.valid[ti.turn],
+                g=float(g[ti.turn]),
+                scores=turn,
+                form=form,
+            )
+        if rw.blocked is None:
+            continue
+        for b in t.blocked:
+            if b.turn < len(t.turns) and b.tokens:
+                add(
+                    t,
+                    i,
+                    t.turns[b.turn],
+                    toks=b.tokens,
+                    lps=b.logprobs,
+                    reward=rw.blocked,
+                    ok=True,
+                    g=rw.blocked,
+                    scores=dict.fromkeys(b.clauses, -1.0),
+                    form=(0.0, 0),
+                    was_blocked=True,
+                )
     flat_tokens, tok_len = ragged(tokens, torch.long)
     clauses = None
     if clause_weights is not None:
@@ -763,6 +822,7 @@ def step_samples(
         clause_weight=None if clause_weights is None else list(clause_weights.values()),
         form_reward=[f for f, _ in forms] if config.form_clauses else None,
         form_key=[k for _, k in forms] if config.form_clauses else None,
+        blocked=blocked if any(blocked) else None,
     )
 
 
@@ -783,10 +843,20 @@ def form_share(rw: EpisodeRewards, turn: int, form_clauses: Sequence[str]) -> tu
 # Scoring step samples: packed sequences
 
 
-Unit = tuple[list[int], list[tuple[int, int, int]]]  # token ids, [(sample, start, length)]
+class Unit(NamedTuple):
+    """One packed sequence: its token ids, the step samples it scores as spans (sample, start,
+    length: the action's tokens are ids[start : start + length]), and its branches (start,
+    length, prompt length): tokens after the main dialogue that continue an earlier prefix of it
+    (`pack_units`; `unit_tree` builds their positions and attention)."""
+
+    ids: list[int]
+    spans: list[tuple[int, int, int]]
+    branches: tuple[tuple[int, int, int], ...] = ()
 
 
-def pack_units(tok: Any, items: Sequence[tuple[str, int, str, Sequence[int]]]) -> list[Unit]:
+def pack_units(
+    tok: Any, items: Sequence[tuple[str, int, str, Sequence[int]]], branches: bool = True
+) -> list[Unit]:
     """Pack step samples into sequences, one per trajectory where possible.
 
     `items` are (trajectory key, turn, prompt text, action ids). The turns of one trajectory
@@ -799,8 +869,15 @@ def pack_units(tok: Any, items: Sequence[tuple[str, int, str, Sequence[int]]]) -
     rendering) the sequence ends and a new one starts from that turn's own prompt, so every action
     is scored after exactly the prompt the policy saw. (Ending the whole trajectory's packing at
     the first mismatch instead — one sequence per turn from there — put 77% of an iteration's
-    update tokens into the 15% of trajectories with such a turn.) A span (sample, start, length)
-    locates an action: its tokens are ids[start : start + length].
+    update tokens into the 15% of trajectories with such a turn.)
+
+    An action whose prompt is a prefix of a sequence already packed — a candidate the axiom
+    guard blocked, whose state the played turn shares — becomes, with `branches`, a branch of
+    that sequence: the prompt's last token again, then the action, after the main dialogue,
+    placed at the prompt's positions and seeing only the prompt (`unit_tree`). Without
+    `branches` (a model whose attention takes no custom mask), or when nothing matches, it
+    starts a sequence of its own; a blocked candidate then re-reads its whole prompt, and the
+    played turns after it start another.
     """
     by_traj: dict[str, list[int]] = {}
     for i, (key, _, _, _) in enumerate(items):
@@ -808,18 +885,58 @@ def pack_units(tok: Any, items: Sequence[tuple[str, int, str, Sequence[int]]]) -
     units: list[Unit] = []
     for members in by_traj.values():
         members.sort(key=lambda i: items[i][1])
-        merged: list[int] = []
-        spans: list[tuple[int, int, int]] = []
+        # open sequences of this trajectory: [main ids, spans, pending branches (sample, prompt)]
+        open_: list[tuple[list[int], list[tuple[int, int, int]], list[tuple[int, int]]]] = []
         for i in members:
             prompt = tok(items[i][2], add_special_tokens=False)["input_ids"]
             action = list(items[i][3])
-            if prompt[: len(merged)] != merged:  # the prompt differs from what was sampled
-                units.append((merged, spans))
-                spans = []
-            spans.append((i, len(prompt), len(action)))
-            merged = prompt + action
-        units.append((merged, spans))
+            cur = open_[-1] if open_ else None
+            if cur is not None and prompt[: len(cur[0])] == cur[0]:  # it extends the dialogue
+                cur[1].append((i, len(prompt), len(action)))
+                cur[0][len(cur[0]) :] = prompt[len(cur[0]) :] + action
+                continue
+            host = next(
+                (u for u in reversed(open_) if branches and u[0][: len(prompt)] == prompt), None
+            )
+            if host is not None and prompt:
+                host[2].append((i, len(prompt)))
+            else:
+                open_.append((prompt + action, [(i, len(prompt), len(action))], []))
+        for main, spans, pending in open_:
+            ids, spans, forks = list(main), list(spans), []
+            for i, n in pending:
+                action = list(items[i][3])
+                start = len(ids)
+                ids += [main[n - 1], *action]
+                spans.append((i, start + 1, len(action)))
+                forks.append((start, 1 + len(action), n))
+            units.append(Unit(ids, spans, tuple(forks)))
     return units
+
+
+def unit_tree(units: Sequence[Unit], device: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Position ids [U, T] and a boolean attention mask [U, 1, T, T] (True: attends) for units
+    with branches, as `token_logprobs(tree=...)` takes them; None when no unit has one.
+
+    The main dialogue is causal from position 0. A branch (start, length, n) repeats the
+    prompt's last token at position n − 1 and continues from there: it attends to the prompt's
+    first n − 1 tokens and causally to itself, so it scores its action exactly as the
+    prompt alone would. Padding attends to itself only."""
+    if not any(u.branches for u in units):
+        return None
+    width = max(len(u.ids) for u in units)
+    pos = torch.zeros((len(units), width), dtype=torch.long)
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(units), 1, 1)  # [U, T, T]
+    for u, unit in enumerate(units):
+        main = unit.branches[0][0] if unit.branches else len(unit.ids)
+        pos[u, :main] = torch.arange(main)
+        mask[u, :main, :main] = torch.ones(main, main, dtype=torch.bool).tril()
+        for start, length, n in unit.branches:
+            end = start + length
+            pos[u, start:end] = torch.arange(n - 1, n - 1 + length)
+            mask[u, start:end, : n - 1] = True
+            mask[u, start:end, start:end] = torch.ones(length, length, dtype=torch.bool).tril()
+    return pos.to(device), mask[:, None].to(device)
 
 
 def minibatches(units: Sequence[Unit], order: Sequence[int], size: int) -> list[list[Unit]]:
@@ -850,11 +967,11 @@ def unit_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids [U, T], attention mask [U, T], and the positions that score an action
     token [U, T-1] (position p scores token p+1), for `token_logprobs(positions=...)`."""
-    width = max(len(ids) for ids, _ in units)
+    width = max(len(u.ids) for u in units)
     ids = torch.full((len(units), width), pad, dtype=torch.long)
     attn = torch.zeros((len(units), width), dtype=torch.long)
     at = torch.zeros((len(units), width - 1), dtype=torch.bool)
-    for u, (seq, spans) in enumerate(units):
+    for u, (seq, spans, _) in enumerate(units):
         ids[u, : len(seq)] = torch.tensor(seq)
         attn[u, : len(seq)] = 1
         for _, start, length in spans:
@@ -868,8 +985,8 @@ def spans_of(
     """Per-step-sample rows of `values` [U, T-1] (as `token_logprobs` returns: position p scores
     token p+1). Returns (sample indices, [B, L] values at each action's tokens, mask [B, L])."""
     rows, idx = [], []
-    for u, (_, spans) in enumerate(units):
-        for sample, start, length in spans:
+    for u, unit in enumerate(units):
+        for sample, start, length in unit.spans:
             rows.append(values[u, start - 1 : start - 1 + length])  # [length]
             idx.append(sample)
     out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, L], keeps the graph
@@ -935,6 +1052,8 @@ def iteration_metrics(x: Iteration, buffer: ReplayBuffer, grm: bool) -> dict[str
         "episode/progress": mean(t.outcome.progress if t.outcome else 0.0 for t in x.trajs),
         "episode/turns": mean(len(t.turns) for t in x.trajs),
         "train/step_samples": 0,
+        "guard/blocked": sum(len(t.blocked) for t in x.trajs),
+        "train/blocked_samples": int(x.samples.blocked_mask().sum()),
     }
     m |= {f"clause/{c}_pass_rate": v for c, v in clause_pass_rates(x.reviews).items()}
     m |= {f"judge/{c}_pass_rate": v for c, v in clause_pass_rates(x.judged).items()}
@@ -1132,6 +1251,7 @@ class Run:
             seed=r.seed * 10_007 + it,
             menu=self.menu,
             group_prefix=f"it{it}:",
+            guard=None if r.train.guard == "off" else AxiomGuard,
         )
         rollout_seconds = time.perf_counter() - t_roll
         # 2. review every episode (the rule judge too: it is what the metrics trust)
@@ -1140,7 +1260,7 @@ class Run:
         reviews = judged if self.grm is None else self.grm.review(trajs, pcs)
         review_seconds = time.perf_counter() - t0
         # 3. rewards per turn and per episode → one step sample per trainable turn
-        rewards = episode_rewards(trajs, reviews, pcs, r.reward)
+        rewards = episode_rewards(trajs, reviews, pcs, r.reward, r.train.guard == "learn")
         samples = step_samples(
             trajs,
             rewards,
@@ -1163,23 +1283,28 @@ class Run:
         )
         m = iteration_metrics(x, self.buffer, grm=self.grm is not None)
         m["time/rollout_s"], m["time/review_s"] = rollout_seconds, review_seconds
+        played: dict[tuple[str, int], float] = {}
+        blocked: list[tuple[tuple[str, int], float]] = []
+        if scored is not None:
+            for key, turn, a, b in zip(
+                samples.traj,
+                samples.turn.tolist(),
+                scored.adv[: scored.n_fresh].tolist(),
+                samples.blocked_mask().tolist(),
+                strict=True,
+            ):
+                if b:
+                    blocked.append(((key, turn), a))
+                else:
+                    played[(key, turn)] = a
         self.last = {
             "trajectories": trajs,
             "reviews": reviews,
             "judged": judged,
             "pcs": pcs,
             "rewards": rewards,
-            "advantages": {}
-            if scored is None
-            else {
-                (key, turn): a
-                for key, turn, a in zip(
-                    samples.traj,
-                    samples.turn.tolist(),
-                    scored.adv[: scored.n_fresh].tolist(),
-                    strict=True,
-                )
-            },
+            "advantages": played,  # (trajectory, turn) → the played turn's advantage
+            "blocked_advantages": blocked,  # ((trajectory, turn), advantage) of each blocked one
         }
         if r.samples_per_iteration:
             self._log_samples(x)
@@ -1197,7 +1322,7 @@ class Run:
             (key, turn, render_prompt(self.tok, self.trajs[key][0].prompt_messages(turn)), a)
             for key, turn, a in zip(s.traj, s.turn.tolist(), s.actions(), strict=True)
         ]
-        units = pack_units(self.tok, items)
+        units = pack_units(self.tok, items, branches=takes_tree(self.model))
 
         self.model.train()
         dev = self.model.device
@@ -1212,13 +1337,16 @@ class Run:
             order = torch.randperm(len(units)).tolist()
             for chunk in minibatches(units, order, r.train.minibatch):
                 ids, attn, at = unit_tensors(chunk, self.tok.pad_token_id, dev)
+                tree = unit_tree(chunk, dev)
                 with autocast:
-                    logp_all, ent_all = token_logprobs(self.model, ids, attn, positions=at)
+                    logp_all, ent_all = token_logprobs(
+                        self.model, ids, attn, positions=at, tree=tree
+                    )
                 idx, logp, mask = spans_of(logp_all, chunk)
                 ref = None
                 if cfg.beta > 0 or r.train.kl_metric:
                     with torch.no_grad(), adapters_disabled(self.model), autocast:
-                        ref_all, _ = token_logprobs(self.model, ids, attn, positions=at)
+                        ref_all, _ = token_logprobs(self.model, ids, attn, positions=at, tree=tree)
                     _, ref, _ = spans_of(ref_all, chunk)
                 _, ent, _ = spans_of(ent_all, chunk)
                 loss, lm = mapo_loss(

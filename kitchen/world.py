@@ -584,6 +584,18 @@ class TurnInfo(BaseModel):
         return bool(self.tokens) and not self.guarded and (truncated or not self.truncated)
 
 
+class Blocked(BaseModel):
+    """A candidate action the axiom guard blocked at turn `turn` (attempt `attempt`): it never
+    reached the diner, and the turn was played by a later attempt or the guard's fallback."""
+
+    turn: int = Field(description="The assistant turn it was a candidate for, 0-based.")
+    attempt: int = Field(description="The guard's attempt that produced it, 0-based.")
+    tokens: list[int] = Field(description="The policy's action token ids.")
+    logprobs: list[float] = Field(description="Their log-probs at collection.")
+    truncated: bool = False
+    clauses: list[str] = Field(description="The axioms it would have broken.")
+
+
 class Outcome(BaseModel):
     success: int = Field(ge=0, le=1)
     reason: str
@@ -611,6 +623,11 @@ class Trajectory(BaseModel):
     done: bool = False
     end: str = Field("", description="Why the episode ended: ordered, left, budget.")
     outcome: Outcome | None = None
+    blocked: list[Blocked] = Field(
+        default_factory=list,
+        description="The candidates the axiom guard blocked, in the order it saw them "
+        "(trained on as exact-state negatives with `train.guard: learn`).",
+    )
 
     def prompt_messages(self, turn: int) -> list[dict[str, Any]]:
         """What the policy saw before acting at assistant turn `turn`."""

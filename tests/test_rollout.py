@@ -153,6 +153,10 @@ def test_the_guard_regenerates_on_the_fast_path(policy, jobs):
     assert all(i.outcome == "regenerated" for g in guards for i in g.log)
     assert not any(t.guarded for x in trajs for t in x.turns)
     assert teacher_forced_error(model, tok, trajs) <= 1e-4
+    for x in trajs:  # each blocked candidate is kept on its trajectory, with the policy's tokens
+        assert [b.turn for b in x.blocked] == list(range(len(x.turns)))
+        assert all(b.tokens and len(b.logprobs) == len(b.tokens) for b in x.blocked)
+        assert all(b.clauses == ["A0"] and b.attempt == 0 for b in x.blocked)
 
 
 def test_stop_strings_end_a_turn_untruncated(policy, jobs):

@@ -182,3 +182,29 @@ def test_form_shares_travel_with_the_samples_to_the_advantage():
         StepSamples(**{**vars(make(["s"], [0.0])), "form_reward": [0.1]})
     with pytest.raises(ValueError, match="1 entries each"):
         StepSamples(**{**vars(make(["s"], [0.0])), "form_reward": [0.1, 0.2], "form_key": [1, 1]})
+
+
+def test_a_blocked_candidate_gets_no_global_advantage_and_leaves_the_others_as_they_were():
+    """A candidate the guard blocked (`blocked`) did not make its episode's outcome: its global
+    advantage is 0 and the played turns' global advantages are those of the batch without it;
+    its local advantage still ranks it in its state group. The buffer keeps the flag."""
+    played = make(
+        ["s", "s", "u"], [1.0, 0.5, 1.0], traj=["t0", "t1", "t1"], outcome=[1.0, 0.0, 0.0]
+    )
+    blocked = make(["s"], [-1.0], traj=["t0"], outcome=[1.0], tokens=[[9]])
+    blocked.blocked = torch.tensor([True])
+    both = StepSamples.concat([played, blocked])
+    assert both.blocked.tolist() == [False, False, False, True]
+    grpo = mapo.PRESETS["grpo"]
+    alone, _ = mapo.advantages(played.batch(), grpo)
+    with_it, _ = mapo.advantages(both.batch(), grpo)
+    assert_close(with_it[:3], alone)
+    assert with_it[3] == 0 and alone.abs().sum() > 0
+    cfg = mapo.preset("mapo", alpha={"kind": "constant", "alpha0": 0.5})
+    buf = ReplayBuffer(BufferConfig())
+    scored = advantages_for(both, cfg, buf)
+    local_only = mapo.preset("mapo", alpha={"kind": "constant", "alpha0": 1.0})
+    a_local, _ = mapo.advantages(both.batch(), local_only)
+    assert_close(scored.adv[3], 0.5 * a_local[3])
+    assert scored.adv[3] < 0
+    assert buf.samples(buf.rows()).blocked.tolist() == [False, False, False, True]

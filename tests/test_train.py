@@ -28,6 +28,7 @@ from kitchen.train import (
     run_checkpoint,
     spans_of,
     unit_tensors,
+    unit_tree,
 )
 
 POLICY = os.environ.get("KITCHEN_TEST_POLICY", str(paths.DATA / "models" / "policy-tiny"))
@@ -131,7 +132,7 @@ def test_logprobs_at_collection_match_the_training_forward(runs_dir):
         for ti in t.turns
     ]
     units = pack_units(run.tok, items)
-    packed_trajs = sum(len(spans) > 1 for _, spans in units)
+    packed_trajs = sum(len(u.spans) > 1 for u in units)
     assert packed_trajs >= 2, "most trajectories should pack into one sequence"
     ids, attn, at = unit_tensors(units, run.tok.pad_token_id, run.model.device)
     with torch.no_grad():
@@ -276,10 +277,75 @@ def test_packing_restarts_a_sequence_only_where_a_prompt_differs_from_what_was_s
     assert ids(p2) == ids(p1) + a1 and ids(p1)[: len(ids(p0) + a0)] != ids(p0) + a0
     items = [("t", 0, p0, a0), ("t", 1, p1, a1), ("t", 2, p2, a2), ("u", 0, p0, a0)]
     units = pack_units(tok, items)
-    assert sorted(len(spans) for _, spans in units) == [1, 1, 2]
-    for seq, spans in units:
+    assert sorted(len(u.spans) for u in units) == [1, 1, 2]
+    for seq, spans, _ in units:
         for i, start, length in spans:
             assert seq[:start] == ids(items[i][2]) and seq[start : start + length] == items[i][3]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_branch_scores_its_action_as_its_prompt_alone_would(runs_dir, attention):
+    """Actions whose prompt is a prefix of a packed dialogue (the guard's blocked candidates)
+    ride on its sequence as branches (`unit_tree`): each is scored exactly as the prompt alone
+    followed by the action, the played turns as before, and the dialogue stays one sequence —
+    with SDPA and with eager attention."""
+    run = Run(tiny_recipe("tree", train={"iterations": 1}), progress=False)
+    model = run.model.eval()
+    model.config._attn_implementation = attention
+    trajs, _ = rollout(model, run.tok, run._jobs(0), run.recipe.rollout, seed=1)
+    trajs = [t for t in trajs if len(t.turns) >= 3][:3]
+    assert len(trajs) == 3
+    items = []
+    for t in trajs:
+        prompts = [render_prompt(run.tok, t.prompt_messages(ti.turn)) for ti in t.turns]
+        items += [(t.id, ti.turn, p, ti.tokens) for ti, p in zip(t.turns, prompts, strict=True)]
+        for turn in (1, 1, 2):  # two candidates at one state, one at the next
+            other = t.turns[(turn + 1) % len(t.turns)].tokens  # someone else's action
+            items.append((t.id, turn, prompts[turn], other[: 5 + turn]))
+    units = pack_units(run.tok, items)
+    assert len(units) == 3 and all(len(u.branches) == 3 for u in units)
+    ids, attn, at = unit_tensors(units, run.tok.pad_token_id, model.device)
+    with torch.no_grad():
+        packed, _ = token_logprobs(
+            model, ids, attn, positions=at, tree=unit_tree(units, model.device)
+        )
+    idx, got, mask = spans_of(packed, units)
+    for b, i in enumerate(idx):
+        _, _, prompt, action = items[i]
+        one, one_attn, one_at = sequences(run.tok, [prompt], [action], model.device)
+        with torch.no_grad():
+            alone, _ = token_logprobs(model, one, one_attn)
+        want, _ = gather_actions(alone, one_at)
+        assert int(mask[b].sum()) == len(action)
+        torch.testing.assert_close(got[b, : len(action)], want[0], atol=2e-4, rtol=1e-4)
+    flat = pack_units(run.tok, items, branches=False)  # without: a sequence per branch, and
+    assert len(flat) >= 3 + 3 * 3 + 3  # the played turns after them start another
+
+
+def test_one_update_is_the_same_with_branches_or_separate_sequences(runs_dir, monkeypatch):
+    """Packing the guard's blocked candidates as branches changes the cost, not the update: two
+    runs of one recipe (`train.guard: learn`, one optimiser step an iteration) whose only
+    difference is the packing end their first iteration with the same adapter, having read
+    fewer tokens with branches."""
+    from kitchen import train
+
+    recipe = tiny_recipe("same", train={"iterations": 1, "guard": "learn", "minibatch": 10_000})
+    runs, tokens = [], []
+    for branches in (True, False):
+        if not branches:
+            monkeypatch.setattr(train, "takes_tree", lambda model: False)
+        run = Run(recipe.model_copy(update={"name": f"same-{branches}"}), progress=False)
+        before = lora_state(run.model)
+        m = run.step()
+        assert m["train/blocked_samples"] > 0 and m["policy/grad_norm"] > 0
+        tokens.append(m["speed/update_tokens_per_s"] * m["time/update_s"])
+        runs.append(lora_state(run.model))
+    assert tokens[0] < tokens[1], tokens
+    moved = max((runs[0][k] - before[k]).abs().max().item() for k in before)
+    # Adam's first step is about ±lr wherever the gradient is not ~0, so float noise in a
+    # near-zero gradient shows as a sliver of a step; wrong log-probs would flip whole signs
+    for k in before:
+        torch.testing.assert_close(runs[0][k], runs[1][k], atol=1e-2 * moved, rtol=1e-3)
 
 
 def test_learning_rate_schedules():
@@ -782,3 +848,72 @@ def test_fast_autocast_is_bfloat16_only_where_the_device_multiplies_it(monkeypat
             with train_module.update_autocast(mode, cpu):
                 on.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
         assert on == [False, torch.bfloat16, torch.bfloat16 if amx else False]
+
+
+def test_blocked_candidates_are_step_samples_at_their_state(concierge):
+    """`train.guard: learn`: each candidate the guard blocked follows its episode's turns as a
+    sample at the state of the turn it was a candidate for, with the lowest local reward, a
+    violation of the axioms it broke and `blocked` set; without it they are not trained on."""
+    from kitchen.jobs import pair_jobs
+    from kitchen.judge import judge
+    from kitchen.train import RewardConfig, episode_rewards
+    from kitchen.train import step_samples as make_samples
+    from kitchen.world import Blocked, World
+
+    task, pc, diner = pair_jobs("train", 1, 0, concierge)[0]
+    w = World()
+    w.reset(task, pc.dimensions, profile=pc.profile, diner=diner)
+    w.step("Hello! Happy to help you today.", tokens=[5, 6], logprobs=[-1.0, -1.0])
+    w.traj.blocked.append(
+        Blocked(turn=1, attempt=0, tokens=[8, 9, 10], logprobs=[-2.0] * 3, clauses=["A1"])
+    )
+    w.step("Let me look.", tokens=[7], logprobs=[-1.0])
+    trajs, pcs, reviews = [w.traj], [pc], [judge(w.traj, pc)]
+    cfg = tiny_recipe("m").advantage.resolve()
+    weights = {c.id: c.weight for c in pc.clauses}
+    reward = RewardConfig(reviewer="judge")
+    (learn,) = episode_rewards(trajs, reviews, pcs, reward, blocked=True)
+    s = make_samples(trajs, [learn], cfg, lambda i: i, clause_weights=weights)
+    assert s.turn.tolist() == [0, 1, 1] and s.blocked.tolist() == [False, False, True]
+    assert s.state[2] == s.state[1] == w.traj.turns[1].exact_key
+    assert s.abstract[2] == w.traj.turns[1].abstract_key and s.actions()[2] == [8, 9, 10]
+    assert s.local_reward[2] == learn.blocked == -1.0 and s.ret[2] == -1.0 and s.valid[2]
+    verdicts = dict(zip(weights, s.clauses[2].tolist(), strict=True))
+    assert verdicts["A1"] == -1.0 and all(math.isnan(v) for c, v in verdicts.items() if c != "A1")
+    (drop,) = episode_rewards(trajs, reviews, pcs, reward)
+    plain = make_samples(trajs, [drop], cfg, lambda i: i)
+    assert drop.blocked is None and plain.turn.tolist() == [0, 1] and plain.blocked is None
+
+
+def test_training_behind_the_guard_lowers_what_it_blocked(runs_dir):
+    """`train.guard: learn` on the shipped policy: the rollout plays behind the axiom guard, the
+    candidates it blocked enter the update with a negative advantage, and after one update the
+    policy gives them less probability at the states where it wrote them."""
+    run = Run(tiny_recipe("guard", train={"iterations": 1, "guard": "learn"}), progress=False)
+    before = lora_state(run.model)
+    m = run.step()
+    assert m["guard/blocked"] > 0 and m["train/blocked_samples"] == m["guard/blocked"]
+    assert m["judge/axiom_violations"] == 0  # what the diner saw kept every red line
+    trajs = run.last["trajectories"]
+    adv = torch.tensor([a for _, a in run.last["blocked_advantages"]])
+    assert len(adv) == m["guard/blocked"] and adv.mean() < 0
+
+    def blocked_logprobs() -> torch.Tensor:
+        out = []
+        for t in trajs:
+            for b in t.blocked:
+                prompt = render_prompt(run.tok, t.prompt_messages(b.turn))
+                ids, attn, act = sequences(run.tok, [prompt], [b.tokens], run.model.device)
+                with torch.no_grad():
+                    logp, _ = token_logprobs(run.model.eval(), ids, attn)
+                packed, mask = gather_actions(logp, act)
+                out.append((packed.sum() / mask.sum()).item())
+        return torch.tensor(out)
+
+    new = blocked_logprobs()
+    with torch.no_grad():
+        for k, p in run.model.named_parameters():
+            if k in before:
+                p.copy_(before[k])
+    old = blocked_logprobs()
+    assert (new - old).mean() < 0, (new - old).mean()
