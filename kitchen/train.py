@@ -735,10 +735,12 @@ def step_samples(
     share of its local reward those clauses gave and a code of its verdicts on them
     (`form_share`), which `mapo.form_judged` reads.
 
-    With `rw.blocked` set, each candidate the guard blocked (`Trajectory.blocked`) follows its
-    episode's turns as a sample of its own: the state of the turn it was a candidate for, the
-    local reward and step return `rw.blocked`, a violation of each axiom it broke, and
-    `blocked` True (no global advantage: `mapo.advantages`)."""
+    With `rw.blocked` set, each candidate the guard blocked (`Trajectory.blocked`) at a turn
+    the policy's own later try was played at follows its episode's turns as a sample of its
+    own: the state of that turn, the local reward and step return `rw.blocked`, a violation of
+    each axiom it broke, and `blocked` True (no global advantage: `mapo.advantages`). Where
+    the guard's fallback was played instead, no try of the policy's stands beside them, and
+    they are left out."""
     cols: dict[str, list] = {k: [] for k in ("state", "abstract", "group", "traj", "turn")}
     tokens, logp, local, ret, outcome, valid, verdicts = [], [], [], [], [], [], []
     forms: list[tuple[float, int]] = []
@@ -784,8 +786,8 @@ def step_samples(
             )
         if rw.blocked is None:
             continue
-        for b in t.blocked:
-            if b.turn < len(t.turns) and b.tokens:
+        for b in t.blocked:  # only beside a try of the policy's that the guard let through
+            if b.turn < len(t.turns) and b.tokens and not t.turns[b.turn].guarded:
                 add(
                     t,
                     i,

@@ -853,7 +853,9 @@ def test_fast_autocast_is_bfloat16_only_where_the_device_multiplies_it(monkeypat
 def test_blocked_candidates_are_step_samples_at_their_state(concierge):
     """`train.guard: learn`: each candidate the guard blocked follows its episode's turns as a
     sample at the state of the turn it was a candidate for, with the lowest local reward, a
-    violation of the axioms it broke and `blocked` set; without it they are not trained on."""
+    violation of the axioms it broke and `blocked` set — unless the guard's fallback was played
+    at that turn; without `learn` they are not trained on."""
+    from kitchen.guard import FALLBACK
     from kitchen.jobs import pair_jobs
     from kitchen.judge import judge
     from kitchen.train import RewardConfig, episode_rewards
@@ -868,6 +870,10 @@ def test_blocked_candidates_are_step_samples_at_their_state(concierge):
         Blocked(turn=1, attempt=0, tokens=[8, 9, 10], logprobs=[-2.0] * 3, clauses=["A1"])
     )
     w.step("Let me look.", tokens=[7], logprobs=[-1.0])
+    w.traj.blocked.append(  # every try blocked, the fallback played: nothing to compare with
+        Blocked(turn=2, attempt=2, tokens=[11], logprobs=[-2.0], clauses=["A3"])
+    )
+    w.step(FALLBACK, guarded=True)
     trajs, pcs, reviews = [w.traj], [pc], [judge(w.traj, pc)]
     cfg = tiny_recipe("m").advantage.resolve()
     weights = {c.id: c.weight for c in pc.clauses}
