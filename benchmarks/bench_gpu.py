@@ -151,8 +151,8 @@ def random_weights_loop(on_rollout: Callable[[Any], None] | None = None) -> Iter
             on_rollout(stats)
         return trajs, stats
 
-    def episode_rewards(trajs, reviews, pcs, reward):
-        out = real_rewards(trajs, reviews, pcs, reward)
+    def episode_rewards(trajs, reviews, pcs, reward, blocked=False):
+        out = real_rewards(trajs, reviews, pcs, reward, blocked)
         for t, rw in zip(trajs, out, strict=True):
             rw.outcome = random.Random(f"reward:{t.id}").random()
         return out
