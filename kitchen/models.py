@@ -891,7 +891,8 @@ def _tree_mask(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
         )
     if model.config._attn_implementation == "sdpa":
         return allowed.bool()
-    dtype = next(model.parameters()).dtype
+    dtype = getattr(model, "dtype", torch.float32)
+    dtype = dtype if dtype.is_floating_point else torch.float32  # quantised weights: compute
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed.bool(), torch.finfo(dtype).min
     )
