@@ -90,6 +90,23 @@ def lora_state(model):
     return {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
 
 
+def scored_alone(tok, model, prompt, action):
+    """Log-probs of `action` right after `prompt`, scored as a sequence of its own, with no
+    grad: ([1, L] values at the action's tokens, [1, L] mask)."""
+    ids, attn, act = sequences(tok, [prompt], [action], model.device)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, ids, attn)
+    return gather_actions(logp, act)
+
+
+def restore(model, state):
+    """Put the adapter weights `state` (as `lora_state` took them) back into `model`."""
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            if k in state:
+                p.copy_(state[k])
+
+
 def action_logprobs(run, model=None):
     """Mean log-prob of each (trajectory, turn) action of the last iteration under `model`."""
     model = model or run.model
@@ -99,10 +116,7 @@ def action_logprobs(run, model=None):
             if (t.id, ti.turn) not in run.last["advantages"]:
                 continue
             prompt = render_prompt(run.tok, t.prompt_messages(ti.turn))
-            ids, attn, act = sequences(run.tok, [prompt], [ti.tokens], model.device)
-            with torch.no_grad():
-                logp, _ = token_logprobs(model, ids, attn)
-            packed, mask = gather_actions(logp, act)
+            packed, mask = scored_alone(run.tok, model, prompt, ti.tokens)
             out[(t.id, ti.turn)] = (packed.sum() / mask.sum()).item()
     return out
 
@@ -115,10 +129,7 @@ def test_logprobs_at_collection_match_the_training_forward(runs_dir):
     for t in trajs[:4]:
         for ti in t.turns:
             prompt = render_prompt(run.tok, t.prompt_messages(ti.turn))
-            ids, attn, act = sequences(run.tok, [prompt], [ti.tokens], run.model.device)
-            with torch.no_grad():
-                logp, _ = token_logprobs(run.model.eval(), ids, attn)
-            packed, mask = gather_actions(logp, act)
+            packed, mask = scored_alone(run.tok, run.model.eval(), prompt, ti.tokens)
             assert int(mask.sum()) == len(ti.tokens)
             torch.testing.assert_close(
                 packed[0, : len(ti.tokens)], torch.tensor(ti.logprobs), atol=2e-3, rtol=1e-3
@@ -160,10 +171,7 @@ def test_update_moves_weights_toward_positive_advantages(runs_dir, autocast):
     moved = sum((after[k] - before[k]).abs().sum().item() for k in before)
     assert moved > 0 and m["train/step_samples"] > 0
     new = action_logprobs(run)
-    with torch.no_grad():
-        for k, p in run.model.named_parameters():
-            if k in before:
-                p.copy_(before[k])
+    restore(run.model, before)
     old = action_logprobs(run)
     adv = run.last["advantages"]
     keys = sorted(k for k in new if abs(adv[k]) > 1e-6)
@@ -312,10 +320,7 @@ def test_a_branch_scores_its_action_as_its_prompt_alone_would(runs_dir, attentio
     idx, got, mask = spans_of(packed, units)
     for b, i in enumerate(idx):
         _, _, prompt, action = items[i]
-        one, one_attn, one_at = sequences(run.tok, [prompt], [action], model.device)
-        with torch.no_grad():
-            alone, _ = token_logprobs(model, one, one_attn)
-        want, _ = gather_actions(alone, one_at)
+        want, _ = scored_alone(run.tok, model, prompt, action)
         assert int(mask[b].sum()) == len(action)
         torch.testing.assert_close(got[b, : len(action)], want[0], atol=2e-4, rtol=1e-4)
     flat = pack_units(run.tok, items, branches=False)  # without: a sequence per branch, and
@@ -909,17 +914,11 @@ def test_training_behind_the_guard_lowers_what_it_blocked(runs_dir):
         for t in trajs:
             for b in t.blocked:
                 prompt = render_prompt(run.tok, t.prompt_messages(b.turn))
-                ids, attn, act = sequences(run.tok, [prompt], [b.tokens], run.model.device)
-                with torch.no_grad():
-                    logp, _ = token_logprobs(run.model.eval(), ids, attn)
-                packed, mask = gather_actions(logp, act)
+                packed, mask = scored_alone(run.tok, run.model.eval(), prompt, b.tokens)
                 out.append((packed.sum() / mask.sum()).item())
         return torch.tensor(out)
 
     new = blocked_logprobs()
-    with torch.no_grad():
-        for k, p in run.model.named_parameters():
-            if k in before:
-                p.copy_(before[k])
+    restore(run.model, before)
     old = blocked_logprobs()
     assert (new - old).mean() < 0, (new - old).mean()
