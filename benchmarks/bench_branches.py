@@ -28,33 +28,50 @@ from pathlib import Path
 import torch
 
 from kitchen import paths, train
-from kitchen.judge import judge
-from kitchen.rollout import rollout
-from kitchen.steps import advantages_for
-from kitchen.train import Recipe, Run, episode_rewards, load_recipe, step_samples
+from kitchen.train import Recipe, Run, load_recipe
 
 
 def adapter(run: Run) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in run.model.named_parameters() if v.requires_grad}
 
 
-def update(run: Run, scored, weights, opt_state, branches: bool) -> tuple[float, int]:
-    """One update of `run` on `scored` from `weights` and `opt_state`: (seconds, tokens)."""
-    beta = run.beta
-    with torch.no_grad():
-        for k, p in run.model.named_parameters():
-            if k in weights:
-                p.copy_(weights[k])
-    run.opt.load_state_dict(copy.deepcopy(opt_state))
-    keep = train.takes_tree
-    train.takes_tree = (lambda model: keep(model)) if branches else (lambda model: False)
-    try:
-        t0 = time.perf_counter()
-        m = run._update(scored)
-        seconds = time.perf_counter() - t0
-    finally:
-        train.takes_tree, run.beta = keep, beta
-    return seconds, round(m["speed/update_tokens_per_s"] * m["time/update_s"])
+def both_packings(run: Run, rows: list[dict]) -> None:
+    """Make `run`'s update train twice on the same scored samples, from the same adapter,
+    optimiser state and β: first with each blocked candidate in a sequence of its own, then
+    with branches (the update the run keeps). Each update's tokens and seconds go to `rows`."""
+    real, keep = run._update, train.takes_tree
+
+    def once(scored, weights, opt_state, beta, branches: bool) -> tuple[float, int, dict]:
+        with torch.no_grad():
+            for k, p in run.model.named_parameters():
+                if k in weights:
+                    p.copy_(weights[k])
+        run.opt.load_state_dict(copy.deepcopy(opt_state))
+        run.beta = beta
+        train.takes_tree = keep if branches else (lambda model: False)
+        try:
+            t0 = time.perf_counter()
+            m = real(scored)
+            seconds = time.perf_counter() - t0
+        finally:
+            train.takes_tree = keep
+        return seconds, round(m["speed/update_tokens_per_s"] * m["time/update_s"]), m
+
+    def update(scored):
+        state = adapter(run), copy.deepcopy(run.opt.state_dict()), run.beta
+        flat = once(scored, *state, branches=False)
+        tree = once(scored, *state, branches=True)
+        rows.append(
+            {
+                "step_samples": len(scored.samples),
+                "blocked": int(scored.samples.blocked_mask().sum()),
+                "tokens": {"separate": flat[1], "branches": tree[1]},
+                "seconds": {"separate": round(flat[0], 2), "branches": round(tree[0], 2)},
+            }
+        )
+        return tree[2]
+
+    run._update = update
 
 
 def main() -> None:
@@ -68,42 +85,21 @@ def main() -> None:
     doc["train"] |= {"guard": "learn"}
     doc["reward"]["reviewer"] = "judge"
     doc |= {"eval_every": 0, "compare": {}}
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         paths.RUNS = Path(tmp)
         run = Run(Recipe.model_validate(doc), progress=False)
-        r, k = run.recipe, run.recipe.rollout.k
-        ratios, secs = [], []
+        both_packings(run, rows)
         for it in range(args.iterations):
-            jobs = run._jobs(it)
-            pcs = [pc for _, pc, _ in jobs for _ in range(k)]
-            trajs, _ = rollout(
-                run.model, run.tok, jobs, r.rollout, seed=it, menu=run.menu, guard=train.AxiomGuard
-            )
-            reviews = [judge(t, pc, run.menu) for t, pc in zip(trajs, pcs, strict=True)]
-            rewards = episode_rewards(trajs, reviews, pcs, r.reward, blocked=True)
-            samples = step_samples(trajs, rewards, run.adv_cfg, lambda i, it=it: f"{it}:{i // k}")
-            scored = advantages_for(samples, run.adv_cfg, run.buffer, step=it)
-            run.trajs |= {t.id: (t, pc) for t, pc in zip(trajs, pcs, strict=True)}
-            weights, opt_state = adapter(run), copy.deepcopy(run.opt.state_dict())
-            flat = update(run, scored, weights, opt_state, branches=False)
-            tree = update(run, scored, weights, opt_state, branches=True)  # and keep this one
-            ratios.append(tree[1] / flat[1])
-            secs.append(tree[0] / flat[0])
-            print(
-                json.dumps(
-                    {
-                        "iteration": it,
-                        "step_samples": len(samples),
-                        "blocked": int(samples.blocked_mask().sum()),
-                        "tokens": {"separate": flat[1], "branches": tree[1]},
-                        "seconds": {"separate": round(flat[0], 2), "branches": round(tree[0], 2)},
-                    }
-                )
-            )
-            run.iteration += 1
+            before = len(rows)
+            run.step()
+            if len(rows) > before:  # an iteration with nothing to train on has no update
+                print(json.dumps({"iteration": it, **rows[-1]}))
+    tokens = [r["tokens"]["branches"] / r["tokens"]["separate"] for r in rows]
+    secs = [r["seconds"]["branches"] / r["seconds"]["separate"] for r in rows]
     print(
-        f"branches / separate sequences: tokens {statistics.median(ratios):.2f}x, "
-        f"update time {statistics.median(secs):.2f}x (median of {len(ratios)} iterations: "
+        f"branches / separate sequences: tokens {statistics.median(tokens):.2f}x, "
+        f"update time {statistics.median(secs):.2f}x (median of {len(rows)} iterations: "
         f"{', '.join(f'{x:.2f}' for x in secs)})"
     )
 
