@@ -224,6 +224,7 @@ def rollout(
     menu: Menu | None = None,
     group_prefix: str = "",
     guard: Callable[[PersonalConstitution], Any] | None = None,
+    guarded: int | None = None,
     progress: str | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """Play `cfg.k` episodes for each (task, personal constitution, diner values) job.
@@ -232,8 +233,9 @@ def rollout(
     Sampling is seeded (`seed`; on the fast path also each episode's job and sample index, the
     turn and the guard attempt), so a resumed run replays the same episodes. `guard(pc)` (e.g. `AxiomGuard`) checks
     every action before the diner sees it; blocked actions are regenerated, a fallback turn is
-    marked `guarded` and never trained on. `progress` (a description) shows a bar of finished
-    episodes.
+    marked `guarded` and never trained on. `guarded` plays only the first that many of each
+    job's K samples behind the guard and the rest without (None: all of them). `progress` (a
+    description) shows a bar of finished episodes.
     """
     from tqdm.auto import tqdm
 
@@ -258,7 +260,7 @@ def rollout(
                 episode=f"{group_prefix}{task.id}:{pc.profile}:{k}",
             )
             worlds.append(w)
-            guards.append(g)
+            guards.append(g if guarded is None or k < guarded else None)
             names.append(f"{j}:{k}")
     stats = RolloutStats(episodes=len(worlds), engine=cfg.engine)
     if cfg.engine == "fast":

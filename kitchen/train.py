@@ -270,6 +270,16 @@ class TrainConfig(StrictModel):
         "and 0.88x the SFT policy's axiom violations in seeds 0, 1 and 2, the recipe without it "
         "0.97, 0.78 and 0.65x (docs/results.md, 'Training behind the guard').",
     )
+    guard_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="With `guard` on: the share of each job's K rollouts played behind the "
+        "guard (at least one); the rest play without it. 1 (default): all of them. Below 1 a "
+        "task group holds both: the guarded episodes give 'learn' its exact-state negatives, "
+        "the unguarded ones the states the policy's own breaks lead to (which a guard never "
+        "lets it meet).",
+    )
     lr: float = Field(
         2e-4,
         gt=0,
@@ -1257,6 +1267,7 @@ class Run:
             menu=self.menu,
             group_prefix=f"it{it}:",
             guard=None if r.train.guard == "off" else AxiomGuard,
+            guarded=max(1, round(r.train.guard_share * k)),
         )
         rollout_seconds = time.perf_counter() - t_roll
         # 2. review every episode (the rule judge too: it is what the metrics trust)

@@ -159,6 +159,26 @@ def test_the_guard_regenerates_on_the_fast_path(policy, jobs):
         assert all(b.clauses == ["A0"] and b.attempt == 0 for b in x.blocked)
 
 
+def test_guarded_plays_only_the_first_samples_of_each_job_behind_the_guard(policy, jobs):
+    """`guarded=1` with K = 3: each job's first sample meets the guard at every turn, the other
+    two play every candidate they sample."""
+    model, tok = policy
+    trajs, stats = rollout(
+        model,
+        tok,
+        jobs,
+        CFG.model_copy(update={"k": 3}),
+        seed=2,
+        guard=lambda pc: BlockFirst(),
+        guarded=1,
+    )
+    behind = [x for i, x in enumerate(trajs) if i % 3 == 0]
+    free = [x for i, x in enumerate(trajs) if i % 3 != 0]
+    assert all(len(x.blocked) == len(x.turns) > 0 for x in behind)
+    assert free and not any(x.blocked for x in free)
+    assert stats.extra["guard/blocked"] == sum(len(x.turns) for x in behind)
+
+
 def test_stop_strings_end_a_turn_untruncated(policy, jobs):
     """A stop string ends a turn on the fast path: the text contains it, and the turn is not
     marked truncated."""
