@@ -280,6 +280,16 @@ class TrainConfig(StrictModel):
         "the unguarded ones the states the policy's own breaks lead to (which a guard never "
         "lets it meet).",
     )
+    guard_budget: int = Field(
+        2,
+        ge=0,
+        le=16,
+        description="With `guard` on: how many times a blocked candidate is regenerated before "
+        "the guard's fallback message plays instead (kitchen.guard; 2, the guard's default). "
+        "With 'learn', candidates blocked at a turn where every try was blocked are not "
+        "trained on (nothing of the policy's was played beside them), so a larger budget "
+        "turns more of them into negatives, at the cost of the regenerations.",
+    )
     lr: float = Field(
         2e-4,
         gt=0,
@@ -1248,6 +1258,11 @@ class Run:
         rng = random.Random(f"jobs:{self.recipe.seed}:{it}")
         return rng.sample(self.pool, min(self.recipe.train.tasks_per_iteration, len(self.pool)))
 
+    def _guard(self, pc: PersonalConstitution) -> AxiomGuard:
+        """The axiom guard of one job's training rollouts (`train.guard`), at the recipe's
+        regeneration budget."""
+        return AxiomGuard(pc, budget=self.recipe.train.guard_budget)
+
     # -- one iteration ----------------------------------------------------------------------
 
     def step(self) -> dict[str, Any]:
@@ -1266,7 +1281,7 @@ class Run:
             seed=r.seed * 10_007 + it,
             menu=self.menu,
             group_prefix=f"it{it}:",
-            guard=None if r.train.guard == "off" else AxiomGuard,
+            guard=None if r.train.guard == "off" else self._guard,
             guarded=max(1, round(r.train.guard_share * k)),
         )
         rollout_seconds = time.perf_counter() - t_roll

@@ -896,6 +896,26 @@ def test_blocked_candidates_are_step_samples_at_their_state(concierge):
     assert drop.blocked is None and plain.turn.tolist() == [0, 1] and plain.blocked is None
 
 
+def test_guard_share_and_budget_reach_the_training_rollouts(runs_dir):
+    """`guard_share: 0.5` puts the first half of each job's K rollouts behind the guard and the
+    rest not; at `guard_budget: 0` every blocked candidate is followed by the fallback, so none
+    of them stands beside a played try of the policy's and none is trained on."""
+    recipe = tiny_recipe(
+        "guard-share",
+        train={"iterations": 1, "guard": "learn", "guard_share": 0.5, "guard_budget": 0},
+    )
+    run = Run(recipe, progress=False)
+    m = run.step()
+    k, trajs = recipe.rollout.k, run.last["trajectories"]
+    behind = [t for i, t in enumerate(trajs) if i % k < k // 2]
+    free = [t for i, t in enumerate(trajs) if i % k >= k // 2]
+    assert free and not any(t.blocked for t in free)
+    assert sum(len(t.blocked) for t in behind) == m["guard/blocked"] > 0
+    assert all(b.attempt == 0 for t in behind for b in t.blocked)
+    assert sum(ti.guarded for t in behind for ti in t.turns) == m["guard/blocked"]
+    assert m["train/blocked_samples"] == 0
+
+
 def test_training_behind_the_guard_lowers_what_it_blocked(runs_dir):
     """`train.guard: learn` on the shipped policy: the rollout plays behind the axiom guard, the
     candidates it blocked enter the update with a negative advantage, and after one update the
