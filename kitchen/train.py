@@ -600,6 +600,20 @@ def recipe_problems(recipe: Recipe) -> list[Problem]:
                 f"{MAX_LORA_SCALE}: one optimiser step would swamp the base; alpha = 2 r is usual",
             )
         )
+    t = recipe.train
+    idle = [  # off their defaults: a saved recipe (recipe.yaml of a run) holds every field
+        f
+        for f in ("guard_share", "guard_budget")
+        if getattr(t, f) != TrainConfig.model_fields[f].default
+    ]
+    if t.guard == "off" and idle:
+        out.append(
+            recipe.problem(
+                ("train", idle[0]),
+                f"{', '.join(idle)} set while train.guard is 'off': no rollout plays behind the "
+                "guard, so it would change nothing; set guard: learn (or play), or remove it",
+            )
+        )
     late = [i for i in recipe.keep_checkpoints if i > recipe.train.iterations]
     if late:
         out.append(

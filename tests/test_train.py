@@ -589,6 +589,17 @@ def test_step_progress_with_a_signal_that_never_reads_it_is_rejected(tmp_path):
     assert load_recipe(f).reward.step_progress == 1
 
 
+def test_guard_fields_without_the_guard_are_rejected(tmp_path):
+    """`train.guard_share` or `guard_budget` off their defaults while the guard is off would
+    change nothing: the recipe says so where it is; with the guard on it loads."""
+    f = tmp_path / "r.yaml"
+    f.write_text("name: x\ntrain: {guard_share: 0.5}\n")
+    with pytest.raises(KitchenError, match=r"r.yaml:2: train.guard_share: .*guard is 'off'"):
+        load_recipe(f)
+    f.write_text("name: x\ntrain: {guard: learn, guard_share: 0.5, guard_budget: 5}\n")
+    assert load_recipe(f).train.guard_budget == 5
+
+
 def test_preflight_stops_a_token_budget_the_context_cannot_hold(runs_dir):
     """Before the first iteration: a turn budget that leaves no room after the first prompt in
     the policy's context stops the run at rollout.max_new_tokens; nothing is trained or logged."""
