@@ -407,13 +407,18 @@ def test_kept_checkpoints_survive_pruning_and_load_as_policies(runs_dir):
     assert not torch.equal(lora_state(early)[name], lora_state(last)[name])
 
 
-def test_a_kept_checkpoint_past_the_last_iteration_is_a_located_error(tmp_path):
+def recipe_from(tmp_path, text: str):
+    """`load_recipe` of `text` written to `tmp_path/r.yaml` (its errors name that file)."""
     f = tmp_path / "r.yaml"
-    f.write_text("name: x\ntrain: {iterations: 4}\nkeep_checkpoints: [2, 9]\n")
+    f.write_text(text)
+    return load_recipe(f)
+
+
+def test_a_kept_checkpoint_past_the_last_iteration_is_a_located_error(tmp_path):
     with pytest.raises(
         KitchenError, match=r"r.yaml:3: keep_checkpoints: iterations \[9\] lie beyond"
     ):
-        load_recipe(f)
+        recipe_from(tmp_path, "name: x\ntrain: {iterations: 4}\nkeep_checkpoints: [2, 9]\n")
 
 
 def test_bad_recipes_are_located(tmp_path):
@@ -567,37 +572,33 @@ def test_errors_inside_advantage_overrides_are_located_at_their_field(tmp_path):
 def test_k_of_one_is_rejected_for_estimators_that_normalise_within_a_task(tmp_path):
     """K = 1 with GRPO (task-group z-scores: every advantage 0) is a located error at
     rollout.k; REINFORCE++ (batch normalisation) may use K = 1."""
-    f = tmp_path / "r.yaml"
-    f.write_text("name: x\nrollout: {k: 1}\nadvantage: {preset: grpo}\n")
     with pytest.raises(KitchenError, match=r"r.yaml:2: rollout.k: k: 1 episode per task"):
-        load_recipe(f)
-    f.write_text("name: x\nrollout: {k: 1}\nadvantage: {preset: reinforce_pp}\n")
-    assert load_recipe(f).rollout.k == 1
+        recipe_from(tmp_path, "name: x\nrollout: {k: 1}\nadvantage: {preset: grpo}\n")
+    fine = recipe_from(tmp_path, "name: x\nrollout: {k: 1}\nadvantage: {preset: reinforce_pp}\n")
+    assert fine.rollout.k == 1
 
 
 def test_step_progress_with_a_signal_that_never_reads_it_is_rejected(tmp_path):
     """`reward.step_progress` pays the local reward; an arm that compares each clause's verdicts
     on their own (`local_signal: clauses`) never reads it, so the recipe says so where it is."""
-    f = tmp_path / "r.yaml"
-    f.write_text(
-        "name: x\nreward: {step_progress: 1}\ncompare:\n  c:\n    preset: mapo\n"
-        "    overrides: {local_signal: clauses}\n"
-    )
     with pytest.raises(KitchenError, match=r"r.yaml:2: reward.step_progress: .*compare.c"):
-        load_recipe(f)
-    f.write_text("name: x\nreward: {step_progress: 1}\n")
-    assert load_recipe(f).reward.step_progress == 1
+        recipe_from(
+            tmp_path,
+            "name: x\nreward: {step_progress: 1}\ncompare:\n  c:\n    preset: mapo\n"
+            "    overrides: {local_signal: clauses}\n",
+        )
+    assert recipe_from(tmp_path, "name: x\nreward: {step_progress: 1}\n").reward.step_progress == 1
 
 
 def test_guard_fields_without_the_guard_are_rejected(tmp_path):
     """`train.guard_share` or `guard_budget` off their defaults while the guard is off would
     change nothing: the recipe says so where it is; with the guard on it loads."""
-    f = tmp_path / "r.yaml"
-    f.write_text("name: x\ntrain: {guard_share: 0.5}\n")
     with pytest.raises(KitchenError, match=r"r.yaml:2: train.guard_share: .*guard is 'off'"):
-        load_recipe(f)
-    f.write_text("name: x\ntrain: {guard: learn, guard_share: 0.5, guard_budget: 5}\n")
-    assert load_recipe(f).train.guard_budget == 5
+        recipe_from(tmp_path, "name: x\ntrain: {guard_share: 0.5}\n")
+    on = recipe_from(
+        tmp_path, "name: x\ntrain: {guard: learn, guard_share: 0.5, guard_budget: 5}\n"
+    )
+    assert on.train.guard_budget == 5
 
 
 def test_preflight_stops_a_token_budget_the_context_cannot_hold(runs_dir):
