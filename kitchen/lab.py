@@ -257,7 +257,7 @@ def _train(config: LabConfig, adv: AdvantageConfig, seeds: int, stop_at_target: 
             scored.adv,
             torch.ones_like(logp, dtype=torch.bool),
             ref_logp=torch.full_like(logp, -math.log(A)),
-            old_logp=scored.samples.logp[:, None] if replay else None,
+            old_logp=scored.samples.logp[:, None] if replay or adv.clip is not None else None,
             is_cap=adv.is_cap if replay else None,
             **adv.loss_kwargs(),
         )

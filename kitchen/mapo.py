@@ -647,6 +647,28 @@ def truncated_is_weights(
     return ratio.clamp(max=cap), (ratio > cap) & mask.bool()
 
 
+def clipped_surrogate(
+    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate (Schulman et al. 2017), per token, as a loss:
+
+        ρ_bt = π(a_bt) / π_old(a_bt)
+        ℓ_bt = − min(ρ_bt · A_b,  clip(ρ_bt, 1 − ε, 1 + ε) · A_b)
+
+    Where ρ = 1 (a fresh sample's first pass) its gradient is REINFORCE's, −A · ∇log π. On
+    later passes over the same samples (`train.epochs` > 1) a token stops being pushed once its
+    ratio has moved ε in the direction its advantage asks; against it, it is always pushed back.
+
+    logp, old_logp, mask: [B, T]; adv: [B, 1] or [B, T]. Returns (ℓ [B, T], clipped [B, T] bool:
+    the tokens whose gradient the clip took away).
+    """
+    ratio = torch.exp((logp - old_logp.detach()).clamp(max=50.0))
+    a = adv.detach().to(logp.dtype).expand_as(logp)
+    plain, capped = ratio * a, ratio.clamp(1.0 - eps, 1.0 + eps) * a
+    clipped = (capped < plain) & mask.bool()
+    return -torch.minimum(plain, capped), clipped
+
+
 def mapo_loss(
     logp: Tensor,
     adv: Tensor,
@@ -661,6 +683,7 @@ def mapo_loss(
     norm_len: int | None = None,
     is_cap: float | None = None,
     is_level: Literal["sequence", "token"] = "sequence",
+    clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """REINFORCE with a per-token KL penalty:
 
@@ -669,7 +692,9 @@ def mapo_loss(
 
     w = 1, or truncated importance weights (`truncated_is_weights`) when `is_cap` and `old_logp`
     are given. Its gradient is the REINFORCE estimator −Σ w A ∇log π (normalised as `agg` says);
-    no ratio clipping, no value network.
+    no value network. With `clip` ε and `old_logp` (the log-probs the samples were drawn with),
+    the first term is PPO's clipped surrogate instead (`clipped_surrogate`): the same gradient
+    where π = π_old, none for a token already moved ε the way its advantage asks.
 
     logp, ref_logp, old_logp, mask: [B, T]; adv: [B] (one advantage per step sample, shared by
     its tokens) or [B, T]. Returns (scalar loss, metrics).
@@ -677,13 +702,19 @@ def mapo_loss(
     a = adv.detach().to(logp.dtype)
     if a.dim() == 1:
         a = a[:, None]  # [B] → [B, 1], broadcast over the turn's tokens
-    w = torch.ones_like(logp)
+    if clip is not None and is_cap is not None:
+        raise ValueError("clip and is_cap are two corrections for old samples: give one")
     metrics: dict[str, float] = {}
-    if is_cap is not None and old_logp is not None:
-        w, clipped = truncated_is_weights(logp, old_logp, mask, is_cap, is_level)
-        metrics["is/clipped_frac"] = clipped.float().mean().item() if clipped.numel() else 0.0
-        metrics["is/weight_mean"] = (w * mask).sum().item() / max(mask.sum().item(), 1.0)
-    pg = -w * a * logp
+    if clip is not None and old_logp is not None:
+        pg, clipped = clipped_surrogate(logp, old_logp, a, mask, clip)
+        metrics["clip/frac"] = clipped.sum().item() / max(mask.sum().item(), 1.0)
+    else:
+        w = torch.ones_like(logp)
+        if is_cap is not None and old_logp is not None:
+            w, clipped = truncated_is_weights(logp, old_logp, mask, is_cap, is_level)
+            metrics["is/clipped_frac"] = clipped.float().mean().item() if clipped.numel() else 0.0
+            metrics["is/weight_mean"] = (w * mask).sum().item() / max(mask.sum().item(), 1.0)
+        pg = -w * a * logp
     per_token = pg
     if beta and ref_logp is not None:
         k = kl_penalty(logp, ref_logp, kl, kl_clamp)
@@ -798,6 +829,16 @@ class AdvantageConfig(StrictModel):
         description="Truncation of importance weights for replayed samples: 1.0 as IMPALA's ρ̄ "
         "(Espeholt et al. 2018), never up-weighting a stale sample.",
     )
+    clip: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="PPO's clipped surrogate with this ε (0.2 in PPO, TRL and verl) in place of "
+        "plain REINFORCE: a token stops being pushed once its probability has moved ε × its "
+        "probability at collection the way its advantage asks. It matters when `train.epochs` "
+        "passes over a batch (and in the later minibatches of one pass); with one pass and one "
+        "minibatch it is REINFORCE. None: REINFORCE.",
+    )
 
     loss_agg: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -856,13 +897,24 @@ class AdvantageConfig(StrictModel):
             raise ValueError(f"form_clauses names a clause twice: {self.form_clauses}")
         if self.replay_in_gradient and not self.use_buffer:
             raise ValueError("replay_in_gradient needs use_buffer: true")
+        if self.replay_in_gradient and self.clip is not None:
+            raise ValueError(
+                "replay_in_gradient weighs old samples by truncated importance weights and clip "
+                "clips the ratio instead: choose one (set clip: null, or replay_in_gradient: false)"
+            )
         if self.kl_target is not None and not self.beta:
             raise ValueError("kl_target adapts β upward from beta: set beta > 0 (e.g. 0.02)")
         return self
 
     def loss_kwargs(self) -> dict:
         """The `mapo_loss` keyword arguments this configuration sets."""
-        return {"beta": self.beta, "kl": self.kl, "agg": self.loss_agg, "norm_len": self.norm_len}
+        return {
+            "beta": self.beta,
+            "kl": self.kl,
+            "agg": self.loss_agg,
+            "norm_len": self.norm_len,
+            "clip": self.clip,
+        }
 
 
 @dataclass
@@ -1166,7 +1218,7 @@ def preset(key: str, /, **overrides) -> AdvantageConfig:
 
 # Fields that are not the advantage estimator: what counts as the same state (the world's keys),
 # and the loss (aggregation, KL, importance-weight cap). A comparison of estimators holds them.
-SHARED_FIELDS = ("state_key", "loss_agg", "norm_len", "beta", "kl", "kl_target", "is_cap")
+SHARED_FIELDS = ("state_key", "loss_agg", "norm_len", "beta", "kl", "kl_target", "is_cap", "clip")
 
 
 def one_factor(arm: AdvantageConfig, base: AdvantageConfig) -> AdvantageConfig:
@@ -1289,7 +1341,11 @@ def describe(config: AdvantageConfig | str) -> str:
         lines.append(f"  A        = α·A_local + (1 − α)·A_global,  {_alpha_text(a)}")
     kl = f" + {c.beta:g}·{c.kl}(π‖π_ref)" if c.beta else ""
     weight = f"min(π/π_old, {c.is_cap:g})·" if c.replay_in_gradient else ""
-    lines.append(f"  loss     = {c.loss_agg} of  −{weight}A·log π(a){kl}  over action tokens")
+    if c.clip is not None:
+        pg = f"min(ρA, clip(ρ, {1 - c.clip:g}, {1 + c.clip:g})·A), ρ = π/π_old"
+        lines.append(f"  loss     = {c.loss_agg} of  −{pg}{kl}  over action tokens")
+    else:
+        lines.append(f"  loss     = {c.loss_agg} of  −{weight}A·log π(a){kl}  over action tokens")
     if c.replay_in_gradient:
         lines.append("             replayed history enters with truncated importance weights")
     if c.kl_target is not None:

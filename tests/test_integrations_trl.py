@@ -199,6 +199,8 @@ def test_recipe_maps_to_grpo_config_and_rejects_what_trl_cannot_do():
     assert args.num_generations == K and args.per_device_train_batch_size == 2 * K
     assert args.loss_type == "bnpo" and args.max_steps == 2 and args.beta == 0.02
     assert grpo_config(recipe("grpo")).loss_type == "grpo"
+    clipped = recipe(advantage={"preset": "mapo", "overrides": {"beta": 0.02, "clip": 0.1}})
+    assert grpo_config(clipped).epsilon == 0.1 and args.epsilon == 0.2  # TRL's own default
     with pytest.raises(KitchenError, match="processes"):
         grpo_config(recipe(), num_processes=3)
     with pytest.raises(KitchenError, match="replay_in_gradient"):

@@ -643,6 +643,55 @@ def test_kl_term_and_importance_weights_in_the_gradient():
     assert m["kl/mean"] > 0
 
 
+def test_clipped_surrogate_is_reinforce_where_the_policy_has_not_moved():
+    """At π = π_old the clipped surrogate's gradient is REINFORCE's, term for term."""
+    gen = torch.Generator().manual_seed(5)
+    theta = torch.randn(6, generator=gen, requires_grad=True)
+    tokens = torch.randint(6, (3, 4), generator=gen)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    adv = t(1.5, -0.7, 0.3)
+
+    def grad(**kw) -> torch.Tensor:
+        theta.grad = None
+        logp = torch.log_softmax(theta, 0)[tokens]
+        loss, m = mapo_loss(logp, adv, mask, **kw)
+        loss.backward()
+        return theta.grad.clone(), m
+
+    plain, _ = grad()
+    old = torch.log_softmax(theta.detach(), 0)[tokens]
+    clipped, m = grad(old_logp=old, clip=0.2)
+    assert_close(clipped, plain)
+    assert m["clip/frac"] == 0.0
+
+
+def test_clip_stops_only_the_tokens_moved_past_eps_the_way_their_advantage_asks():
+    """Token ratios 1.3, 1.1, 0.7, 1.3 under advantages +1, +1, −1, −1 with ε 0.2: the first
+    (pushed up past 1.2) and the third (pushed down past 0.8) get no gradient; the second is
+    within ε and the fourth moved against its advantage, so both get −A·ρ·∇log π."""
+    logp = torch.zeros(4, 1, requires_grad=True)
+    ratio = t(1.3, 1.1, 0.7, 1.3)
+    old = -torch.log(ratio)[:, None]  # log π − log π_old = log ρ
+    adv = t(1.0, 1.0, -1.0, -1.0)
+    loss, m = mapo_loss(logp, adv, torch.ones(4, 1), old_logp=old, clip=0.2, agg="token-mean")
+    loss.backward()
+    expected = torch.tensor([0.0, -1.1, 0.0, 1.3]) / 4  # −A·ρ, over the token mean
+    assert_close(logp.grad[:, 0], expected)
+    assert m["clip/frac"] == pytest.approx(0.5)
+
+
+def test_clip_is_shared_by_the_compared_arm_and_refused_beside_replay():
+    """`one_factor` keeps the base's clip (the loss is not the factor compared); clip and
+    replay's importance weights are two corrections for old samples, so both is an error."""
+    base = mapo.preset("mapo", clip=0.2)
+    assert mapo.one_factor(mapo.preset("grpo"), base).clip == 0.2
+    assert "clip(ρ, 0.8, 1.2)" in mapo.describe(base)
+    with pytest.raises(ValueError, match="choose one"):
+        mapo.preset("mapo", clip=0.2, replay_in_gradient=True)
+    with pytest.raises(ValueError, match="give one"):
+        mapo_loss(torch.zeros(1, 1), t(1.0), torch.ones(1, 1), clip=0.2, is_cap=1.0)
+
+
 def test_loss_kwargs_follow_the_preset():
     """Dr. GRPO's preset aggregates like TRL's dr_grpo: Σ ℓ / (B · L)."""
     kw = mapo.preset("dr_grpo", norm_len=8).loss_kwargs()

@@ -908,6 +908,32 @@ def test_blocked_candidates_are_step_samples_at_their_state(concierge):
     assert drop.blocked is None and plain.turn.tolist() == [0, 1] and plain.blocked is None
 
 
+def test_clip_reads_the_collection_log_probs_on_later_passes(runs_dir, monkeypatch):
+    """`advantage.clip` with three passes over a batch: the first pass starts where the samples
+    were drawn (ratio 1, nothing clipped), later passes find tokens already moved past ε."""
+    from kitchen import train
+
+    over = {"beta": 0.02, "state_key": "abstract", "clip": 0.05}
+    recipe = tiny_recipe(
+        "clip",
+        advantage={"preset": "mapo", "overrides": over},
+        train={"iterations": 1, "epochs": 3, "minibatch": 10_000, "lr": 3e-2},
+    )
+    seen = []
+    real = train.mapo_loss
+
+    def spy(*args, **kw):
+        loss, m = real(*args, **kw)
+        seen.append(m["clip/frac"])
+        return loss, m
+
+    run = Run(recipe, progress=False)
+    monkeypatch.setattr(train, "mapo_loss", spy)
+    m = run.step()
+    assert len(seen) == 3 and seen[0] == 0.0 and seen[-1] > 0.0
+    assert m["clip/frac"] == pytest.approx(sum(seen) / 3)
+
+
 def test_guard_share_and_budget_reach_the_training_rollouts(runs_dir):
     """`guard_share: 0.5` puts the first half of each job's K rollouts behind the guard and the
     rest not; at `guard_budget: 0` every blocked candidate is followed by the fallback, so none

@@ -43,7 +43,8 @@ Departures from `kitchen cook` (the kit's own loop), and why:
    → "dr_grpo"), which weigh episodes, not turns.
 2. TRL's objective is PPO's clipped ratio; with the kit's on-policy settings (one pass, one
    update per batch) the ratio is exactly 1 and its gradient is the kit's REINFORCE gradient.
-   `train.epochs > 1` maps to TRL's `num_iterations`, where clipping then applies.
+   `train.epochs > 1` maps to TRL's `num_iterations`, where clipping then applies (at
+   `advantage.clip`'s ε where the recipe sets one, else TRL's 0.2).
 3. TRL's KL term is the unclamped k3 estimator (`kl: k3`, the kit clamps it at 10); `kl: k1`
    is rejected. Replaying buffer samples into the gradient (`replay_in_gradient`) is rejected:
    TRL's batch holds only the episodes it generated; buffered history still sharpens the state
@@ -271,6 +272,7 @@ def grpo_config(recipe: Recipe, settings: TRLSettings | None = None, *, num_proc
         "warmup_steps": 0,
         "optim": "adamw_torch",
         "beta": cfg.beta,
+        **({} if cfg.clip is None else {"epsilon": cfg.clip}),
         "loss_type": LOSS_TYPES[cfg.loss_agg],
         "max_completion_length": r.max_new_tokens * r.max_turns,
         "temperature": r.temperature,
