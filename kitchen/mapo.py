@@ -659,11 +659,12 @@ def clipped_surrogate(
     later passes over the same samples (`train.epochs` > 1) a token stops being pushed once its
     ratio has moved ε in the direction its advantage asks; against it, it is always pushed back.
 
-    logp, old_logp, mask: [B, T]; adv: [B, 1] or [B, T]. Returns (ℓ [B, T], clipped [B, T] bool:
+    logp, old_logp, mask: [B, T]; adv: [B], [B, 1] or [B, T]. Returns (ℓ [B, T], clipped [B, T] bool:
     the tokens whose gradient the clip took away).
     """
     ratio = torch.exp((logp - old_logp.detach()).clamp(max=50.0))
-    a = adv.detach().to(logp.dtype).expand_as(logp)
+    a = adv.detach().to(logp.dtype)
+    a = (a[:, None] if a.dim() == 1 else a).expand_as(logp)
     plain, capped = ratio * a, ratio.clamp(1.0 - eps, 1.0 + eps) * a
     clipped = (capped < plain) & mask.bool()
     return -torch.minimum(plain, capped), clipped
@@ -704,6 +705,8 @@ def mapo_loss(
         a = a[:, None]  # [B] → [B, 1], broadcast over the turn's tokens
     if clip is not None and is_cap is not None:
         raise ValueError("clip and is_cap are two corrections for old samples: give one")
+    if clip is not None and old_logp is None:
+        raise ValueError("clip needs old_logp, the log-probs the samples were drawn with")
     metrics: dict[str, float] = {}
     if clip is not None and old_logp is not None:
         pg, clipped = clipped_surrogate(logp, old_logp, a, mask, clip)
@@ -1217,7 +1220,8 @@ def preset(key: str, /, **overrides) -> AdvantageConfig:
 # --------------------------------------------------------------------------------------------
 
 # Fields that are not the advantage estimator: what counts as the same state (the world's keys),
-# and the loss (aggregation, KL, importance-weight cap). A comparison of estimators holds them.
+# and the loss (aggregation, KL, importance-weight cap, ratio clip). A comparison of estimators
+# holds them.
 SHARED_FIELDS = ("state_key", "loss_agg", "norm_len", "beta", "kl", "kl_target", "is_cap", "clip")
 
 

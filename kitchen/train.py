@@ -1362,10 +1362,11 @@ class Run:
         return m
 
     def _update(self, scored: Scored) -> dict[str, float]:
-        """REINFORCE + KL on the scored step samples (`mapo_loss`), `train.epochs` passes of
-        minibatches; each trajectory's turns are scored in one packed sequence."""
+        """REINFORCE (or, with `advantage.clip`, PPO's clipped surrogate) + KL on the scored step
+        samples (`mapo_loss`), `train.epochs` passes of minibatches; each trajectory's turns are
+        scored in one packed sequence."""
         r, cfg, s = self.recipe, self.adv_cfg, scored.samples
-        old, _ = s.padded("logp")  # [G, T] log-probs at collection, for importance weights
+        old, _ = s.padded("logp")  # [G, T] log-probs at collection: π_old of replay and clip
         replay = cfg.replay_in_gradient
         ratio = replay or cfg.clip is not None  # the loss reads the log-probs of collection
         items = [

@@ -680,9 +680,10 @@ def test_clip_stops_only_the_tokens_moved_past_eps_the_way_their_advantage_asks(
     assert m["clip/frac"] == pytest.approx(0.5)
 
 
-def test_clip_is_shared_by_the_compared_arm_and_refused_beside_replay():
+def test_clip_is_shared_by_the_compared_arm_and_needs_the_old_log_probs_alone():
     """`one_factor` keeps the base's clip (the loss is not the factor compared); clip and
-    replay's importance weights are two corrections for old samples, so both is an error."""
+    replay's importance weights are two corrections for old samples, so both is an error, and
+    clip without the log-probs of collection has nothing to clip against."""
     base = mapo.preset("mapo", clip=0.2)
     assert mapo.one_factor(mapo.preset("grpo"), base).clip == 0.2
     assert "clip(ρ, 0.8, 1.2)" in mapo.describe(base)
@@ -690,6 +691,8 @@ def test_clip_is_shared_by_the_compared_arm_and_refused_beside_replay():
         mapo.preset("mapo", clip=0.2, replay_in_gradient=True)
     with pytest.raises(ValueError, match="give one"):
         mapo_loss(torch.zeros(1, 1), t(1.0), torch.ones(1, 1), clip=0.2, is_cap=1.0)
+    with pytest.raises(ValueError, match="needs old_logp"):
+        mapo_loss(torch.zeros(1, 1), t(1.0), torch.ones(1, 1), clip=0.2)
 
 
 def test_loss_kwargs_follow_the_preset():

@@ -45,7 +45,8 @@ The limits, in the order a user meets them:
   a signal; the replay buffer's history is used only with state keys (uids never recur).
 - `algorithm.use_kl_in_reward` adds −β·KL to every token and so to each turn's sum; keep the KL
   in the loss (`actor.use_kl_loss=True, kl_loss_type=low_var_kl`), as MAPO does. The loss, and
-  so β, is verl's (`actor.kl_loss_coef`, fixed): `advantage.beta` and `kl_target` are not read,
+  so β, is verl's (`actor.kl_loss_coef`, fixed): `advantage.beta`, `kl_target` and `clip` are
+  not read (verl clips the ratio at its own `actor.clip_ratio`, 0.2 by default),
   and verl clamps its k3 on both sides, where `mapo.kl_penalty` keeps the drifted side's gradient.
   verl's `kl_loss_type=mse` is `advantage.kl: k2` (the reverse KL's gradient, `mapo.kl_penalty`).
 - The review runs in verl's reward-loop workers (CPU actors): the rule judge, or a GRM checkpoint
