@@ -1346,8 +1346,8 @@ def describe(config: AdvantageConfig | str) -> str:
     kl = f" + {c.beta:g}·{c.kl}(π‖π_ref)" if c.beta else ""
     weight = f"min(π/π_old, {c.is_cap:g})·" if c.replay_in_gradient else ""
     if c.clip is not None:
-        pg = f"min(ρA, clip(ρ, {1 - c.clip:g}, {1 + c.clip:g})·A), ρ = π/π_old"
-        lines.append(f"  loss     = {c.loss_agg} of  −{pg}{kl}  over action tokens")
+        pg = f"min(ρA, clip(ρ, {1 - c.clip:g}, {1 + c.clip:g})·A)"
+        lines.append(f"  loss     = {c.loss_agg} of  −{pg}{kl}  over action tokens, ρ = π/π_old")
     else:
         lines.append(f"  loss     = {c.loss_agg} of  −{weight}A·log π(a){kl}  over action tokens")
     if c.replay_in_gradient:
