@@ -236,7 +236,6 @@ def _train(config: LabConfig, adv: AdvantageConfig, seeds: int, stop_at_target: 
     theta = torch.zeros(S, H, C, A, requires_grad=True)
     opt = torch.optim.Adam([theta], lr=config.lr)
     buffer = ReplayBuffer(capacity=config.capacity * S, max_age=config.max_age)
-    replay = adv.replay_in_gradient
 
     success = [success_rate(world, theta, config.key_step)]
     episodes = [0]
@@ -257,8 +256,7 @@ def _train(config: LabConfig, adv: AdvantageConfig, seeds: int, stop_at_target: 
             scored.adv,
             torch.ones_like(logp, dtype=torch.bool),
             ref_logp=torch.full_like(logp, -math.log(A)),
-            old_logp=scored.samples.logp[:, None] if replay or adv.clip is not None else None,
-            is_cap=adv.is_cap if replay else None,
+            old_logp=scored.samples.logp[:, None] if adv.reads_old_logp else None,
             **adv.loss_kwargs(),
         )
         m = scored.metrics

@@ -909,13 +909,21 @@ class AdvantageConfig(StrictModel):
             raise ValueError("kl_target adapts β upward from beta: set beta > 0 (e.g. 0.02)")
         return self
 
+    @property
+    def reads_old_logp(self) -> bool:
+        """Does the loss read the log-probs the samples were drawn with (`mapo_loss`'s
+        `old_logp`)? Replay weighs by them, clip clips against them."""
+        return self.replay_in_gradient or self.clip is not None
+
     def loss_kwargs(self) -> dict:
-        """The `mapo_loss` keyword arguments this configuration sets."""
+        """The `mapo_loss` keyword arguments this configuration sets (all but the tensors: pass
+        `old_logp` where `reads_old_logp`)."""
         return {
             "beta": self.beta,
             "kl": self.kl,
             "agg": self.loss_agg,
             "norm_len": self.norm_len,
+            "is_cap": self.is_cap if self.replay_in_gradient else None,
             "clip": self.clip,
         }
 

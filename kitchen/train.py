@@ -1367,8 +1367,6 @@ class Run:
         scored in one packed sequence."""
         r, cfg, s = self.recipe, self.adv_cfg, scored.samples
         old, _ = s.padded("logp")  # [G, T] log-probs at collection: π_old of replay and clip
-        replay = cfg.replay_in_gradient
-        ratio = replay or cfg.clip is not None  # the loss reads the log-probs of collection
         items = [
             (key, turn, render_prompt(self.tok, self.trajs[key][0].prompt_messages(turn)), a)
             for key, turn, a in zip(s.traj, s.turn.tolist(), s.actions(), strict=True)
@@ -1405,8 +1403,7 @@ class Run:
                     scored.adv[idx].to(dev),
                     mask.float(),
                     ref_logp=ref,
-                    old_logp=old[idx][:, : logp.shape[1]].to(dev) if ratio else None,
-                    is_cap=cfg.is_cap if replay else None,
+                    old_logp=old[idx][:, : logp.shape[1]].to(dev) if cfg.reads_old_logp else None,
                     **cfg.loss_kwargs() | {"beta": self.beta},
                 )
                 self.opt.zero_grad(set_to_none=True)
