@@ -137,6 +137,7 @@ def _world_sft_data(args: argparse.Namespace) -> int:
         ),
         variants=SHIPPED_VARIANTS if args.variants is None else args.variants,
         drills=args.drills,
+        rename=args.rename,
     )
     for name in ("train", "eval"):
         s = stats[name]
@@ -366,6 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of training dialogues played for synthetic diners drawn around the training "
         "profiles, so allergy lists vary (never a held-out diner's set; default: the shipped "
         "data's, 0.5)",
+    )
+    p.add_argument(
+        "--rename",
+        type=fraction,
+        default=0.0,
+        metavar="SHARE",
+        help="share of training dialogues whose dishes get invented names (the same all through "
+        "the dialogue), so a name must be copied from the search or check that named it, not "
+        "recalled (default 0)",
     )
     p.add_argument(
         "--skip-checks",

@@ -586,6 +586,46 @@ def chat_row(traj: Trajectory) -> dict[str, Any]:
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in traj.messages]}
 
 
+def renamed_row(
+    row: dict[str, Any], rng: random.Random, menu: Any = None, names: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`row` (a `chat_row`) with every menu dish it names renamed, the same way in every message:
+    the search results, the allergen checks' replies, the recommendations, the orders and the
+    diner's answers. Each new name is two or three words of the menu's own names drawn at random
+    (`Mango Satay Soup`), never a real dish and never one already used in the dialogue.
+
+    Why (docs/method.md#cold-start): a small policy trained on one menu learns its names as
+    phrases and writes one from memory — the first word chosen, the rest recalled — where it
+    should copy the dish the search or the check in front of it named. In a renamed dialogue
+    memory cannot help: the only way to the next word of a name is the context. `names`, when
+    given, receives each renamed dish's menu name and its new one.
+    """
+    from kitchen.world import load_menu
+
+    menu = menu or load_menu()
+    words = sorted({w for d in menu.dishes for w in d.name.split()})
+    named = [d.name for d in menu.mentioned("\n".join(m["content"] or "" for m in row["messages"]))]
+    new: dict[str, str] = {}
+    for name in named:
+        while True:
+            fake = " ".join(rng.sample(words, rng.choice((2, 2, 3))))
+            if fake not in new.values() and not menu.mentioned(fake):
+                break
+        new[name.lower()] = fake
+        if names is not None:
+            names[name] = fake
+
+    def swap(text: str) -> str:
+        return menu._pattern.sub(lambda m: new[m.group(1).lower()], text)
+
+    return {
+        "messages": [
+            {"role": m["role"], "content": swap(m["content"]) if m["content"] else m["content"]}
+            for m in row["messages"]
+        ]
+    }
+
+
 def check_drill(traj: Trajectory, pc: Any) -> dict[str, Any] | None:
     """An allergic diner's dialogue cut after the assistant turn that follows its last allergen
     check — recommend the checked dish or move on, the decision the check's reply informs — as an
@@ -687,14 +727,17 @@ def write_sft_data(
     long_share: float = 0.5,
     variants: float = SHIPPED_VARIANTS,
     drills: int = 0,
+    rename: float = 0.0,
 ) -> dict[str, Any]:
     """Write `train.jsonl` (train tasks and profiles), `eval.jsonl` (held-out ones) and
     `stats.json` (what they hold, short and long tasks apart: `data_stats`). `variants` of the
     training dialogues are played for synthetic diners drawn around the training profiles (many
     more allergy lists; never a held-out diner's set), the held-out ones never. `drills` check
     drills (`check_drills`) follow the training dialogues in `train.jsonl`; the statistics
-    describe the whole dialogues, and `stats["drills"]` counts the drills. The defaults write
-    the shipped data's kind (`SHIPPED_SFT_QUIRKS`, `SHIPPED_VARIANTS`)."""
+    describe the whole dialogues, and `stats["drills"]` counts the drills. `rename` of the
+    training dialogues have their dishes renamed (`renamed_row`; the statistics are those of
+    the dialogues as played, which renaming does not change). The defaults write the shipped
+    data's kind (`SHIPPED_SFT_QUIRKS`, `SHIPPED_VARIANTS`)."""
     from pathlib import Path
 
     from kitchen.files import atomic_write_json, write_jsonl
@@ -711,6 +754,10 @@ def write_sft_data(
             variants=variants if split == "train" else 0.0,
         )
         rows = [chat_row(t) for t, _ in eps]
+        if name == "train" and rename:
+            rng = random.Random(seed * 7_919 + 11)
+            rows = [renamed_row(r, rng) if rng.random() < rename else r for r in rows]
+            stats["renamed"] = {"share": rename}
         if name == "train" and drills:
             rows += check_drills(drills, seed, quirks, variants)
             stats["drills"] = {"dialogues": drills}
@@ -730,6 +777,7 @@ def write_sft_data(
             else ""
         )
         + (f" --drills {drills}" if drills else "")
+        + (f" --rename {rename:g}" if rename else "")
     )
     atomic_write_json(out / "stats.json", stats)
     return stats

@@ -17,8 +17,10 @@ from kitchen.scripted import (
     IDEAL_QUIRKS,
     SFT_QUIRKS,
     SHIPPED_SFT_QUIRKS,
+    chat_row,
     check_drills,
     episodes,
+    renamed_row,
     write_sft_data,
 )
 
@@ -100,6 +102,66 @@ def test_sft_data_with_check_drills_and_no_skipped_checks(tmp_path, capsys):
     with pytest.raises(KitchenError, match="no check drills in 1000 scripted episodes"):
         check_drills(3, quirks=never)
     assert all(len(check_drills(1, seed=s)) == 1 for s in range(6))
+
+
+def test_renamed_dialogues_name_no_real_dish_and_rename_each_the_same_way_throughout():
+    """`renamed_row` gives every dish a dialogue names a new name of the menu's own words, the
+    same in the search result, the check, the recommendation, the diner's answer and the order;
+    nothing else changes. `--rename 1` renames every training dialogue and leaves the held-out
+    ones as played, and the command line records it."""
+    import random
+    import re
+
+    from kitchen.world import load_menu
+
+    menu = load_menu()
+    traj, _ = next((t, pc) for t, pc in episodes(20, seed=6, long_share=1.0) if t.outcome.success)
+    row = chat_row(traj)
+    new = renamed_row(row, random.Random(0))
+    named = [d.name for d in menu.mentioned(" | ".join(m["content"] for m in row["messages"]))]
+    assert len(named) >= 4
+    text = " | ".join(m["content"] for m in new["messages"])
+    assert not menu.mentioned(text)
+    words = {w for d in menu.dishes for w in d.name.split()}
+    # message by message, a real name maps to one invented name made of menu words
+    seen: dict[str, str] = {}
+    for old, m in zip(row["messages"], new["messages"], strict=True):
+        assert m["role"] == old["role"]
+        parts = menu._pattern.split(old["content"])
+        pattern = "".join(re.escape(p) if i % 2 == 0 else "(.+?)" for i, p in enumerate(parts))
+        got = re.fullmatch(pattern, m["content"])
+        assert got is not None, (old["content"], m["content"])
+        for real, fake in zip(parts[1::2], got.groups(), strict=True):
+            assert seen.setdefault(real.lower(), fake) == fake
+            assert set(fake.split()) <= words and 2 <= len(fake.split()) <= 3
+    assert len(set(seen.values())) == len(seen) == len(named)
+    # the order the world confirmed names the dish the diner agreed to, under its new name
+    order = next(m["content"] for m in new["messages"] if m["content"].startswith("@order "))
+    assert order.removeprefix("@order ") in set(seen.values())
+    assert renamed_row(row, random.Random(0)) == new != renamed_row(row, random.Random(1))
+
+
+def test_sft_data_with_renamed_dishes(tmp_path):
+    assert cli(["world", "sft-data", "--out", str(tmp_path / "r"), "--train", "20", "--eval", "6",
+                "--seed", "3", "--rename", "1"]) == 0  # fmt: skip
+    stats = json.loads((tmp_path / "r" / "stats.json").read_text())
+    plain = write_sft_data(str(tmp_path / "p"), n_train=20, n_eval=6, seed=3)
+    assert stats["command"].endswith(" --rename 1") and stats["renamed"] == {"share": 1.0}
+    assert stats["train"] == plain["train"]  # the dialogues as played
+    assert not any(load_menu_text(r) for r in read_jsonl(tmp_path / "r" / "train.jsonl"))
+    assert [load_menu_text(r) for r in read_jsonl(tmp_path / "r" / "eval.jsonl")] == [
+        load_menu_text(r) for r in read_jsonl(tmp_path / "p" / "eval.jsonl")
+    ]
+    assert any(load_menu_text(r) for r in read_jsonl(tmp_path / "p" / "train.jsonl"))
+
+
+def load_menu_text(row):
+    """The menu dishes a chat row names, in order of first mention."""
+    from kitchen.world import load_menu
+
+    return [
+        d.name for d in load_menu().mentioned(" | ".join(m["content"] for m in row["messages"]))
+    ]
 
 
 # --------------------------------------------------------------------------------------------
