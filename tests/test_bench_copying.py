@@ -1,0 +1,70 @@
+"""benchmarks/bench_copying.py: which assistant tokens start a dish's name, which continue it."""
+
+import random
+
+from transformers import AutoTokenizer
+
+from kitchen import paths
+from kitchen.scripted import renamed_row
+
+from .conftest import load_benchmark
+
+bench = load_benchmark("bench_copying")
+POLICY = str(paths.DATA / "models" / "policy-tiny")
+
+
+def test_tokens_are_split_into_a_names_first_token_its_rest_and_the_others():
+    tok = AutoTokenizer.from_pretrained(POLICY)
+    messages = [
+        {"role": "system", "content": "Concierge. Diner: verbosity=brief, pace=hurried."},
+        {"role": "user", "content": "Thai, please."},
+        {"role": "tool", "content": "thai main: Pad See Ew (12$, 15min)"},
+        {"role": "assistant", "content": "@order Pad See Ew"},
+    ]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
+    kinds = bench.token_kinds(
+        text, messages, enc["offset_mapping"], bench.name_pattern(["Pad See Ew"])
+    )
+    pieces = {k: "".join(text[s:e] for t, (s, e) in enumerate(enc["offset_mapping"])
+                         if kinds.get(t) == k) for k in bench.KINDS}  # fmt: skip
+    # the tool's mention of the dish is not the assistant's: only the order's name is read
+    assert (pieces["first"] + pieces["rest"]).strip() == "Pad See Ew"
+    assert pieces["first"].strip() and pieces["rest"].strip()
+    assert pieces["other"].strip() == "@order"
+
+
+def test_losses_count_every_assistant_token_once_renamed_or_not():
+    row = {"messages": [
+        {"role": "system", "content": "Concierge. Diner: verbosity=brief, pace=hurried."},
+        {"role": "user", "content": "A thai main, please."},
+        {"role": "assistant", "content": "@search thai main"},
+        {"role": "tool", "content": "thai main: Pad See Ew (12$, 15min); Green Curry (13$, 20min)"},
+        {"role": "assistant", "content": "Green Curry: 13$, 20 min. Order it?"},
+    ]}  # fmt: skip
+    new: dict[str, str] = {}
+    renamed = renamed_row(row, random.Random(0), names=new)
+    assert set(new) == {"Pad See Ew", "Green Curry"}
+    real = bench.name_losses(POLICY, [(row, bench.name_pattern(["Pad See Ew", "Green Curry"]))])
+    fake = bench.name_losses(POLICY, [(renamed, bench.name_pattern(list(new.values())))])
+    assert real["first"][1] == fake["first"][1] == 1
+    assert real["rest"][1] >= 1 and fake["rest"][1] >= 1
+    assert real["other"][1] == fake["other"][1] > 5
+    assert all(x[0] > 0 for x in (*real.values(), *fake.values()))
+
+
+def test_the_copying_task_labels_the_repeats_and_a_base_is_saved_for_kitchen_sft(tmp_path):
+    from kitchen.models import ModelSpec, load_model
+
+    for seq, labels in bench.copy_batch(random.Random(1), list(range(300, 400)), 20):
+        assert len(seq) == len(labels)
+        known = [(i, y) for i, y in enumerate(labels) if y != -100]
+        # a label is the token at its own place (the model shifts them), and only the two
+        # repeats of the run are labelled, all but the first repeat's first token
+        assert all(y == seq[i] for i, y in known)
+        run = (len(known) + 1) // 2
+        assert seq[-run:] == seq[-2 * run : -run] == [y for _, y in known][-run:]
+    recipe = str(paths.HOME / "recipes" / "sft_tiny.yaml")
+    bench.pretrain(tmp_path / "base", POLICY, recipe, 2, 1e-3, 0)
+    model, tok = load_model(ModelSpec(path=str(tmp_path / "base")))
+    assert model.config.num_hidden_layers == 4 and len(tok) == model.config.vocab_size
