@@ -72,6 +72,7 @@ from kitchen.world import (
     IMPATIENT_WORDS,
     REJECT_RE,
     Dish,
+    Menu,
     Task,
     Trajectory,
     World,
@@ -586,13 +587,21 @@ def chat_row(traj: Trajectory) -> dict[str, Any]:
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in traj.messages]}
 
 
+RENAME_TRIES = 1_000  # draws of an invented name before `renamed_row` gives up
+
+
 def renamed_row(
-    row: dict[str, Any], rng: random.Random, menu: Any = None, names: dict[str, str] | None = None
+    row: dict[str, Any],
+    rng: random.Random,
+    menu: Menu | None = None,
+    names: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """`row` (a `chat_row`) with every menu dish it names renamed, the same way in every message:
     the search results, the allergen checks' replies, the recommendations, the orders and the
-    diner's answers. Each new name is two or three words of the menu's own names drawn at random
-    (`Mango Satay Soup`), never a real dish and never one already used in the dialogue.
+    diner's answers. Each new name is two or three capitalised words of the menu's own names drawn
+    at random (`Mango Satay Soup`), never a real dish and never one already used in the dialogue.
+    An invented name may say another course or an allergen (`Caprese Milk` for a soda): only the
+    search result and the check say what a dish is.
 
     Why (docs/method.md#cold-start): a small policy trained on one menu learns its names as
     phrases and writes one from memory — the first word chosen, the rest recalled — where it
@@ -603,24 +612,28 @@ def renamed_row(
     from kitchen.world import load_menu
 
     menu = menu or load_menu()
-    words = sorted({w for d in menu.dishes for w in d.name.split()})
-    named = [d.name for d in menu.mentioned("\n".join(m["content"] or "" for m in row["messages"]))]
+    words = sorted({w for d in menu.dishes for w in d.name.split() if w[:1].isupper()})
+    text = "\n".join(m["content"] or "" for m in row["messages"])
     new: dict[str, str] = {}
-    for name in named:
-        while True:
-            fake = " ".join(rng.sample(words, rng.choice((2, 2, 3))))
+    for dish in menu.mentioned(text):
+        for _ in range(RENAME_TRIES):
+            fake = " ".join(rng.sample(words, min(len(words), rng.choice((2, 2, 3)))))
             if fake not in new.values() and not menu.mentioned(fake):
                 break
-        new[name.lower()] = fake
-        if names is not None:
-            names[name] = fake
-
-    def swap(text: str) -> str:
-        return menu._pattern.sub(lambda m: new[m.group(1).lower()], text)
-
+        else:
+            raise KitchenError(
+                f"no new name for {dish.name!r} in {RENAME_TRIES} draws: the menu's names hold "
+                f"too few words ({len(words)}) to invent names that are not dishes already"
+            )
+        new[dish.name] = fake
+    if names is not None:
+        names.update(new)
     return {
         "messages": [
-            {"role": m["role"], "content": swap(m["content"]) if m["content"] else m["content"]}
+            {
+                "role": m["role"],
+                "content": menu.rename(m["content"], new) if m["content"] else m["content"],
+            }
             for m in row["messages"]
         ]
     }
@@ -736,7 +749,7 @@ def write_sft_data(
     drills (`check_drills`) follow the training dialogues in `train.jsonl`; the statistics
     describe the whole dialogues, and `stats["drills"]` counts the drills. `rename` of the
     training dialogues have their dishes renamed (`renamed_row`; the statistics are those of
-    the dialogues as played, which renaming does not change). The defaults write the shipped
+    the dialogues as played, which renaming does not change; drills keep the menu's names). The defaults write the shipped
     data's kind (`SHIPPED_SFT_QUIRKS`, `SHIPPED_VARIANTS`)."""
     from pathlib import Path
 
@@ -756,8 +769,9 @@ def write_sft_data(
         rows = [chat_row(t) for t, _ in eps]
         if name == "train" and rename:
             rng = random.Random(seed * 7_919 + 11)
-            rows = [renamed_row(r, rng) if rng.random() < rename else r for r in rows]
-            stats["renamed"] = {"share": rename}
+            chosen = [rng.random() < rename for _ in rows]
+            rows = [renamed_row(r, rng) if c else r for r, c in zip(rows, chosen, strict=True)]
+            stats["renamed"] = {"share": rename, "dialogues": sum(chosen)}
         if name == "train" and drills:
             rows += check_drills(drills, seed, quirks, variants)
             stats["drills"] = {"dialogues": drills}

@@ -136,6 +136,16 @@ class Menu(StrictModel):
     def find(self, name: str) -> Dish | None:
         return self.by_name.get(" ".join(name.strip().strip(".!?\"'").split()).lower())
 
+    def rename(self, text: str, names: dict[str, str]) -> str:
+        """`text` with each menu dish it names written as `names[dish name]` (case as in the
+        menu), every other dish left as it is."""
+
+        def swap(m: re.Match) -> str:
+            dish = self.by_name[m.group(1).lower()]
+            return names.get(dish.name, m.group(1))
+
+        return self._pattern.sub(swap, text)
+
     def mentioned(self, text: str) -> list[Dish]:
         """Menu dishes named in `text`, in order of first mention."""
         seen: dict[str, Dish] = {}

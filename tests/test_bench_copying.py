@@ -50,7 +50,8 @@ def test_losses_count_every_assistant_token_once_renamed_or_not():
     assert real["first"][1] == fake["first"][1] == 1
     assert real["rest"][1] >= 1 and fake["rest"][1] >= 1
     assert real["other"][1] == fake["other"][1] > 5
-    assert all(x[0] > 0 for x in (*real.values(), *fake.values()))
+    # the shipped policy recalls names: a name it never saw costs it far more than the menu's
+    assert fake["rest"][0] > real["rest"][0] + 1
 
 
 def test_the_copying_task_labels_the_repeats_and_a_base_is_saved_for_kitchen_sft(tmp_path):

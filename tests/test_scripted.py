@@ -118,7 +118,7 @@ def test_renamed_dialogues_name_no_real_dish_and_rename_each_the_same_way_throug
     traj, _ = next((t, pc) for t, pc in episodes(20, seed=6, long_share=1.0) if t.outcome.success)
     row = chat_row(traj)
     new = renamed_row(row, random.Random(0))
-    named = [d.name for d in menu.mentioned(" | ".join(m["content"] for m in row["messages"]))]
+    named = dishes_named(row)
     assert len(named) >= 4
     text = " | ".join(m["content"] for m in new["messages"])
     assert not menu.mentioned(text)
@@ -139,6 +139,12 @@ def test_renamed_dialogues_name_no_real_dish_and_rename_each_the_same_way_throug
     order = next(m["content"] for m in new["messages"] if m["content"].startswith("@order "))
     assert order.removeprefix("@order ") in set(seen.values())
     assert renamed_row(row, random.Random(0)) == new != renamed_row(row, random.Random(1))
+    # a message without content (a tool call's) passes through
+    empty = {"messages": [*row["messages"], {"role": "assistant", "content": None}]}
+    assert renamed_row(empty, random.Random(0))["messages"][-1] == {
+        "role": "assistant",
+        "content": None,
+    }
 
 
 def test_sft_data_with_renamed_dishes(tmp_path):
@@ -146,16 +152,22 @@ def test_sft_data_with_renamed_dishes(tmp_path):
                 "--seed", "3", "--rename", "1"]) == 0  # fmt: skip
     stats = json.loads((tmp_path / "r" / "stats.json").read_text())
     plain = write_sft_data(str(tmp_path / "p"), n_train=20, n_eval=6, seed=3)
-    assert stats["command"].endswith(" --rename 1") and stats["renamed"] == {"share": 1.0}
+    assert stats["command"].endswith(" --rename 1")
+    assert stats["renamed"] == {"share": 1.0, "dialogues": 20}
     assert stats["train"] == plain["train"]  # the dialogues as played
-    assert not any(load_menu_text(r) for r in read_jsonl(tmp_path / "r" / "train.jsonl"))
-    assert [load_menu_text(r) for r in read_jsonl(tmp_path / "r" / "eval.jsonl")] == [
-        load_menu_text(r) for r in read_jsonl(tmp_path / "p" / "eval.jsonl")
+    assert not any(dishes_named(r) for r in read_jsonl(tmp_path / "r" / "train.jsonl"))
+    assert [dishes_named(r) for r in read_jsonl(tmp_path / "r" / "eval.jsonl")] == [
+        dishes_named(r) for r in read_jsonl(tmp_path / "p" / "eval.jsonl")
     ]
-    assert any(load_menu_text(r) for r in read_jsonl(tmp_path / "p" / "train.jsonl"))
+    assert any(dishes_named(r) for r in read_jsonl(tmp_path / "p" / "train.jsonl"))
+    # a share renames that many dialogues, each whole, and leaves the others as played
+    half = write_sft_data(str(tmp_path / "h"), n_train=20, n_eval=6, seed=3, rename=0.5)
+    kept = [bool(dishes_named(r)) for r in read_jsonl(tmp_path / "h" / "train.jsonl")]
+    assert 0 < half["renamed"]["dialogues"] < 20
+    assert kept.count(False) == half["renamed"]["dialogues"]
 
 
-def load_menu_text(row):
+def dishes_named(row):
     """The menu dishes a chat row names, in order of first mention."""
     from kitchen.world import load_menu
 
