@@ -46,7 +46,7 @@ from kitchen.config import KitchenError
 from kitchen.files import read_jsonl
 from kitchen.models import ModelSpec, load_model
 from kitchen.scripted import renamed_row
-from kitchen.world import load_menu
+from kitchen.world import load_menu, phrase_pattern
 
 KINDS = ("first", "rest", "other")
 
@@ -78,12 +78,6 @@ def token_kinds(
                     kind = "first" if s <= a else "rest"
             kinds[t] = kind
     return kinds
-
-
-def name_pattern(names: list[str]) -> re.Pattern:
-    """Any of `names` as a whole phrase, the longest first."""
-    alts = sorted((re.escape(n) for n in names), key=len, reverse=True)
-    return re.compile(r"(?<![\w])(" + "|".join(alts) + r")(?![\w])")
 
 
 def name_losses(
@@ -198,7 +192,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             names = list(new.values())
         else:
             names = [d.name for d in menu.dishes]
-        rows.append((row, name_pattern(names) if names else re.compile("(?!)")))
+        rows.append((row, phrase_pattern(names) if names else re.compile("(?!)")))
     print(f"{len(rows)} dialogues of {args.dialogues}{', dishes renamed' if args.renamed else ''}")
     print(f"{'policy':48s} " + " ".join(f"{k:>14s}" for k in KINDS))
     for p in args.policies:

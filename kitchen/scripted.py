@@ -749,8 +749,8 @@ def write_sft_data(
     drills (`check_drills`) follow the training dialogues in `train.jsonl`; the statistics
     describe the whole dialogues, and `stats["drills"]` counts the drills. `rename` of the
     training dialogues have their dishes renamed (`renamed_row`; the statistics are those of
-    the dialogues as played, which renaming does not change; drills keep the menu's names). The defaults write the shipped
-    data's kind (`SHIPPED_SFT_QUIRKS`, `SHIPPED_VARIANTS`)."""
+    the dialogues as played, which renaming does not change; drills keep the menu's names).
+    The defaults write the shipped data's kind (`SHIPPED_SFT_QUIRKS`, `SHIPPED_VARIANTS`)."""
     from pathlib import Path
 
     from kitchen.files import atomic_write_json, write_jsonl

@@ -77,6 +77,7 @@ import hashlib
 import json
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -113,6 +114,13 @@ class Dish(StrictModel):
     minutes: int = Field(gt=0)
 
 
+def phrase_pattern(phrases: Sequence[str], flags: int = 0) -> re.Pattern:
+    """Any of `phrases` as a whole phrase (no word character on either side), the longest tried
+    first so a name inside a longer one is not matched instead; the phrase is group 1."""
+    alts = sorted((re.escape(p) for p in phrases), key=len, reverse=True)
+    return re.compile(r"(?<![\w])(" + "|".join(alts) + r")(?![\w])", flags)
+
+
 class Menu(StrictModel):
     dishes: list[Dish] = Field(min_length=1)
 
@@ -126,8 +134,7 @@ class Menu(StrictModel):
 
     @cached_property
     def _pattern(self) -> re.Pattern:
-        names = sorted((re.escape(d.name) for d in self.dishes), key=len, reverse=True)
-        return re.compile(r"(?<![\w])(" + "|".join(names) + r")(?![\w])", re.IGNORECASE)
+        return phrase_pattern([d.name for d in self.dishes], re.IGNORECASE)
 
     def search(self, cuisine: str, course: str | None = None) -> list[Dish]:
         """The dishes `@search` returns: a cuisine's dishes of one course (mains by default)."""

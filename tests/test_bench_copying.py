@@ -6,6 +6,7 @@ from transformers import AutoTokenizer
 
 from kitchen import paths
 from kitchen.scripted import renamed_row
+from kitchen.world import phrase_pattern
 
 from .conftest import load_benchmark
 
@@ -23,9 +24,7 @@ def test_tokens_are_split_into_a_names_first_token_its_rest_and_the_others():
     ]
     text = tok.apply_chat_template(messages, tokenize=False)
     enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
-    kinds = bench.token_kinds(
-        text, messages, enc["offset_mapping"], bench.name_pattern(["Pad See Ew"])
-    )
+    kinds = bench.token_kinds(text, messages, enc["offset_mapping"], phrase_pattern(["Pad See Ew"]))
     pieces = {k: "".join(text[s:e] for t, (s, e) in enumerate(enc["offset_mapping"])
                          if kinds.get(t) == k) for k in bench.KINDS}  # fmt: skip
     # the tool's mention of the dish is not the assistant's: only the order's name is read
@@ -45,8 +44,8 @@ def test_losses_count_every_assistant_token_once_renamed_or_not():
     new: dict[str, str] = {}
     renamed = renamed_row(row, random.Random(0), names=new)
     assert set(new) == {"Pad See Ew", "Green Curry"}
-    real = bench.name_losses(POLICY, [(row, bench.name_pattern(["Pad See Ew", "Green Curry"]))])
-    fake = bench.name_losses(POLICY, [(renamed, bench.name_pattern(list(new.values())))])
+    real = bench.name_losses(POLICY, [(row, phrase_pattern(["Pad See Ew", "Green Curry"]))])
+    fake = bench.name_losses(POLICY, [(renamed, phrase_pattern(list(new.values())))])
     assert real["first"][1] == fake["first"][1] == 1
     assert real["rest"][1] >= 1 and fake["rest"][1] >= 1
     assert real["other"][1] == fake["other"][1] > 5
