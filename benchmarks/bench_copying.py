@@ -18,18 +18,8 @@ that recalls pays for every token of a name it never saw.
     .venv/bin/python benchmarks/bench_copying.py data/models/policy-tiny
     .venv/bin/python benchmarks/bench_copying.py data/models/policy-tiny runs/sft_x/final --renamed
 
-`--pretrain OUT` instead trains a model of the cold start's shape (`model.tiny` of
-`--recipe`, `recipes/sft_tiny.yaml` by default, with the tokenizer of `--tokenizer`) from scratch
-on copying alone — runs of random tokens, each repeated twice after a gap, the loss on the
-repeats — and saves it to OUT, a `base:` for `kitchen sft` (`base: {path: OUT, dtype:
-float32}`). A 4-layer model trained from scratch on the concierge dialogues never learns to
-copy; on this task the loss falls from chance (about 7 nats a token) to about 0.5 once it does
-(not to 0: where the second repeat ends and the third begins cannot be told from the run, so the
-third repeat's first token stays a guess, about 0.27 nats of the average). On the CPU: about 0.27
-s a step on 2 cores.
-
-    .venv/bin/python benchmarks/bench_copying.py --pretrain runs/copy-base --steps 4000 \
-        --tokenizer runs/sft_x/final
+A model of the cold start's shape trained from scratch on the dialogues recalls; one that first
+learns to copy random token runs (`copy_warmup:` in an SFT recipe, `kitchen.copying`) copies.
 """
 
 from __future__ import annotations
@@ -104,84 +94,21 @@ def name_losses(
     return {k: (sums[k] / max(1, counts[k]), counts[k]) for k in KINDS}
 
 
-def copy_batch(rng: random.Random, ids: list[int], size: int) -> list[tuple[list[int], list[int]]]:
-    """`size` examples of the copying task: a prefix, a run x of 4–24 tokens, a gap, then x
-    twice; labels (−100 where nothing is predicted) on the repeats alone."""
-    out = []
-    for _ in range(size):
-        x = [rng.choice(ids) for _ in range(rng.randint(4, 24))]
-        pre = [rng.choice(ids) for _ in range(rng.randint(0, 24))]
-        gap = [rng.choice(ids) for _ in range(rng.randint(0, 24))]
-        seq = pre + x + gap + x + x
-        labels = [-100] * (len(pre) + len(x) + len(gap) + 1) + x[1:] + x
-        out.append((seq, labels))
-    return out
-
-
-def pretrain(out: Path, tokenizer: str, recipe: str, steps: int, lr: float, seed: int) -> None:
-    """Train a fresh model of `recipe`'s `model.tiny` shape on copying (`copy_batch`) and save
-    it, with `tokenizer`, to `out`."""
-    from transformers import AutoTokenizer
-
-    from kitchen.models import build_tiny_model
-    from kitchen.sft import load_recipe
-
-    shape = load_recipe(recipe).model.tiny
-    if shape is None:
-        raise SystemExit(f"{recipe}: no model.tiny block to take the shape from")
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    model = build_tiny_model(tok, shape, seed=seed).train()
-    special = set(tok.all_special_ids)
-    ids = [i for i in range(256, len(tok)) if i not in special]  # past the 256 byte tokens
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
-    rng = random.Random(seed)
-    for step in range(steps):
-        batch = copy_batch(rng, ids, 32)
-        n = max(len(s) for s, _ in batch)
-        inp = torch.tensor([s + [tok.pad_token_id] * (n - len(s)) for s, _ in batch])
-        lab = torch.tensor([y + [-100] * (n - len(y)) for _, y in batch])
-        mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s, _ in batch])
-        loss = model(input_ids=inp, attention_mask=mask, labels=lab).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        warm.step()
-        if step % 100 == 0 or step == steps - 1:
-            print(f"step {step}: copy loss {loss.item():.3f}", flush=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    print(f"saved {out}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("policies", nargs="*", help="model folders (a cold start's final/, ...)")
-    ap.add_argument("--pretrain", type=Path, metavar="OUT", help="train a copying base instead")
-    ap.add_argument("--tokenizer", help="with --pretrain: the tokenizer's folder")
-    ap.add_argument("--recipe", default=str(paths.HOME / "recipes" / "sft_tiny.yaml"))
-    ap.add_argument("--steps", type=int, default=4000)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("policies", nargs="+", help="model folders (a cold start's final/, ...)")
     ap.add_argument("--dialogues", default=str(paths.DATA / "sft" / "eval.jsonl"))
     ap.add_argument("--n", type=int, default=60, help="dialogues read (default 60)")
     ap.add_argument("--renamed", action="store_true", help="invent every dish's name first")
     ap.add_argument("--seed", type=int, default=0, help="seeds the invented names")
     args = ap.parse_args()
     try:
-        run(ap, args)
+        run(args)
     except (KitchenError, OSError, ValueError) as e:
         raise SystemExit(f"bench_copying: {e}") from None
 
 
-def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.pretrain:
-        if not args.tokenizer:
-            ap.error("--pretrain needs --tokenizer (a folder with the tokenizer to build on)")
-        pretrain(args.pretrain, args.tokenizer, args.recipe, args.steps, args.lr, args.seed)
-        return
-    if not args.policies:
-        ap.error("name at least one policy (or --pretrain OUT)")
+def run(args: argparse.Namespace) -> None:
     menu = load_menu()
     rng = random.Random(args.seed)
     rows = []

@@ -10,7 +10,10 @@ Two starting points:
 
 - `model.tiny`: build everything here. A tokenizer is trained on the training dialogues (rendered
   in ChatML, `kitchen.models.render_chat`), then a random-initialised Qwen2 of `TinyModelConfig`
-  is trained in full. This is how the shipped tiny policy is made.
+  is trained in full. With `copy_warmup:` the fresh model first learns to copy random token
+  runs (`kitchen.copying`): a model this small trained on the dialogues alone recalls dish names
+  from the menu instead of copying them from the dialogue. This is how the shipped tiny policy
+  is made.
 - `model.base`: any Hugging Face causal LM (`ModelSpec`), usually with `lora:` (bf16 LoRA) and
   `quantization: nf4` (QLoRA) on one GPU.
 
@@ -23,6 +26,8 @@ What a run writes into `output_dir` (relative paths go under the runs folder, `r
     final/             the model (or the LoRA adapter) + tokenizer + recipe.yaml, in HF format:
                        `load_model(ModelSpec(path=".../final"))` loads it
     log.jsonl          the trainer's log: train loss, learning rate, eval loss per step
+    copy_warmup/       with `copy_warmup:`, the warmed model SFT starts from, its log and what it
+                       was made with; reused by a later run of the same recipe in this folder
 
 The progress bar, the learning-rate schedule (linear warmup then cosine/linear decay), periodic
 evaluation on the held-out JSONL (also once before the first step, so the report shows where the
@@ -63,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import os
 import shutil
@@ -78,8 +84,9 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 
 from kitchen import paths
 from kitchen.config import KitchenError, Located, Problem, StrictModel, read_yaml, validate_doc
+from kitchen.copying import CopyWarmup, warm_up
 from kitchen.engine import token_logprobs_of
-from kitchen.files import atomic_write_text, jsonl_rows, write_jsonl
+from kitchen.files import atomic_write_json, atomic_write_text, jsonl_rows, write_jsonl
 from kitchen.models import (
     ROLES,
     ModelSpec,
@@ -139,6 +146,12 @@ class ModelSource(StrictModel):
         description="Where a tiny model trains (default auto: GPU if present). A base "
         "model uses base.device instead.",
     )
+    copy_warmup: CopyWarmup | None = Field(
+        None,
+        description="Before SFT, train the `tiny:` model to copy random token runs "
+        "(kitchen.copying), so that it copies dish names from the dialogue instead of "
+        "recalling the menu. Off by default; the shipped cold start uses it.",
+    )
     add_tokens: list[str] = Field(
         default_factory=list,
         description="Strings a `base:` model should write as one token each from now on (e.g. "
@@ -159,6 +172,11 @@ class ModelSource(StrictModel):
             raise ValueError("`tokenizer:` applies to `tiny:` only; a base model brings its own")
         if self.base is not None and self.device is not None:
             raise ValueError("`device:` applies to `tiny:` only; set base.device instead")
+        if self.base is not None and self.copy_warmup is not None:
+            raise ValueError(
+                "`copy_warmup:` applies to `tiny:` only (a model trained from scratch); a "
+                "pretrained base already copies"
+            )
         if self.add_tokens and (self.base is None or self.base.lora is not None):
             raise ValueError(
                 "`add_tokens:` needs a `base:` model trained in full (no `lora:`): the new "
@@ -657,6 +675,8 @@ def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str 
                 model_max_length=src.tiny.max_positions,
             )
         model = build_tiny_model(tokenizer, src.tiny, seed=recipe.seed).to(device)
+        if src.copy_warmup is not None and checkpoint is None:  # a checkpoint has its weights
+            model, tokenizer = copy_warmed(recipe, out, model, tokenizer)
         quantized, checkpointing = False, False
     else:
         model, tokenizer = load_model(src.base)
@@ -749,6 +769,51 @@ def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str 
             if p.requires_grad:
                 p.data = p.data.float()
     return trainer, checkpoint
+
+
+def copy_warmed(recipe: SFTRecipe, out: Path, model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """`(model, tokenizer)` after `recipe.model.copy_warmup` (kitchen.copying): read from
+    `out/copy_warmup/` when a finished warm-up of the same shape, settings, seed and vocabulary
+    is there, else trained from `model` and saved there (with its `log.jsonl` and the
+    `warmup.json` that says what it was made with) before SFT starts."""
+    src = recipe.model
+    folder = out / "copy_warmup"
+    made_with = {
+        "seed": recipe.seed,
+        "tiny": src.tiny.model_dump(mode="json"),
+        "copy_warmup": src.copy_warmup.model_dump(mode="json"),
+    }
+    device = next(model.parameters()).device
+    if (folder / "warmup.json").is_file():
+        saved = json.loads((folder / "warmup.json").read_text())
+        if saved.get("made_with") == made_with:
+            warmed, warmed_tok = load_model(
+                ModelSpec(path=str(folder), device=device.type, dtype="float32")
+            )
+            if warmed_tok.get_vocab() == tokenizer.get_vocab():
+                print(f"copy warm-up: {folder} (copy loss {saved['copy_loss']:.3f}), reused")
+                return warmed, tokenizer
+        print(f"copy warm-up: {folder} was made for another recipe or data; warming up anew")
+    try:
+        log = warm_up(model, tokenizer, src.copy_warmup, seed=recipe.seed)
+    except FloatingPointError as e:
+        raise KitchenError(
+            [recipe.problem(("model", "copy_warmup", "lr"), f"{e}: the warm-up diverged; lower lr")]
+        ) from None
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".copy_warmup.", dir=out))
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        write_jsonl(tmp / "log.jsonl", log)
+        atomic_write_json(
+            tmp / "warmup.json", {"made_with": made_with, "copy_loss": log[-1]["copy_loss"]}
+        )
+        swap_folder(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"copy warm-up: copy loss {log[0]['copy_loss']:.3f} -> {log[-1]['copy_loss']:.3f}")
+    return model, tokenizer
 
 
 def _checkpointing_args(config_cls: type, on: bool) -> dict[str, Any]:

@@ -51,20 +51,3 @@ def test_losses_count_every_assistant_token_once_renamed_or_not():
     assert real["other"][1] == fake["other"][1] > 5
     # the shipped policy recalls names: a name it never saw costs it far more than the menu's
     assert fake["rest"][0] > real["rest"][0] + 1
-
-
-def test_the_copying_task_labels_the_repeats_and_a_base_is_saved_for_kitchen_sft(tmp_path):
-    from kitchen.models import ModelSpec, load_model
-
-    for seq, labels in bench.copy_batch(random.Random(1), list(range(300, 400)), 20):
-        assert len(seq) == len(labels)
-        known = [(i, y) for i, y in enumerate(labels) if y != -100]
-        # a label is the token at its own place (the model shifts them), and only the two
-        # repeats of the run are labelled, all but the first repeat's first token
-        assert all(y == seq[i] for i, y in known)
-        run = (len(known) + 1) // 2
-        assert seq[-run:] == seq[-2 * run : -run] == [y for _, y in known][-run:]
-    recipe = str(paths.HOME / "recipes" / "sft_tiny.yaml")
-    bench.pretrain(tmp_path / "base", POLICY, recipe, 2, 1e-3, 0)
-    model, tok = load_model(ModelSpec(path=str(tmp_path / "base")))
-    assert model.config.num_hidden_layers == 4 and len(tok) == model.config.vocab_size

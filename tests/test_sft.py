@@ -165,6 +165,47 @@ def test_add_tokens_needs_a_base_trained_in_full(tmp_path, data):
             tiny_recipe(tmp_path, data, model=model)
 
 
+def test_a_copy_warmup_runs_before_sft_is_saved_and_reused(tmp_path, data, monkeypatch):
+    """`copy_warmup:` warms the fresh model before SFT: SFT starts from the warmed weights,
+    which are saved in copy_warmup/ with their log; a second run in the same folder reuses them
+    without warming again, and a changed warm-up warms anew."""
+    warm = {"steps": 60, "batch_size": 8, "min_run": 2, "max_run": 6}
+    model = {"tiny": MICRO_YAML, "tokenizer": {"vocab_size": 512}, "copy_warmup": warm}
+    recipe = resolve_paths(tiny_recipe(tmp_path, data, model=model))
+    trainer, _ = build_trainer(recipe)
+    folder = tmp_path / "run" / "copy_warmup"
+    log = [yaml.safe_load(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [50, 60]
+    made = yaml.safe_load((folder / "warmup.json").read_text())
+    assert made["made_with"]["copy_warmup"]["steps"] == 60 and made["copy_loss"] > 0
+    saved = load_file(folder / "model.safetensors")
+    init = build_tiny_model(trainer.processing_class, MICRO, seed=recipe.seed).state_dict()
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(trainer.model.state_dict()[w], saved[w])
+    assert not torch.equal(saved[w], init[w])
+
+    def no_warm_up(*a, **kw):
+        raise AssertionError("a finished warm-up was redone")
+
+    monkeypatch.setattr("kitchen.sft.warm_up", no_warm_up)
+    again, _ = build_trainer(recipe)
+    assert torch.equal(again.model.state_dict()[w], saved[w])
+
+    monkeypatch.undo()
+    model["copy_warmup"] = {**warm, "steps": 10}
+    other, _ = build_trainer(resolve_paths(tiny_recipe(tmp_path, data, model=model)))
+    assert not torch.equal(other.model.state_dict()[w], saved[w])
+    assert (
+        yaml.safe_load((folder / "warmup.json").read_text())["made_with"]["copy_warmup"]["steps"]
+        == 10
+    )
+
+
+def test_a_copy_warmup_is_for_a_tiny_model_only(tmp_path, data):
+    with pytest.raises(ValueError, match="copy_warmup.*tiny"):
+        tiny_recipe(tmp_path, data, model={"base": {"path": "x"}, "copy_warmup": {}})
+
+
 def test_resume_continues_from_the_checkpoint_and_matches_an_uninterrupted_run(tmp_path, data):
     """Interrupt after checkpoint-4 of 8 steps, resume: the final weights equal those of the
     uninterrupted run (same data order, RNG and optimiser state — and the seed makes runs
