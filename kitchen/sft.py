@@ -644,7 +644,9 @@ def build_trainer(recipe: SFTRecipe, *, resume: bool = False) -> tuple[Any, str 
 
     Returns `(trainer, checkpoint)`, where `checkpoint` is the folder to resume from (or None).
     `recipe` must have resolved paths (`load_recipe` / `resolve_paths`). Exposed so tests and
-    notebooks can inspect the collated batches before training.
+    notebooks can inspect the collated batches before training. With `model.copy_warmup` a
+    fresh run's warm-up happens here (`copy_warmed`: minutes, unless `output_dir` already holds
+    it), since SFT must start from the warmed weights.
     """
     try:
         from datasets import Dataset
