@@ -76,6 +76,7 @@ from kitchen.world import (
     Task,
     Trajectory,
     World,
+    load_menu,
     word_count,
 )
 
@@ -609,8 +610,6 @@ def renamed_row(
     memory cannot help: the only way to the next word of a name is the context. `names`, when
     given, receives each renamed dish's menu name and its new one.
     """
-    from kitchen.world import load_menu
-
     menu = menu or load_menu()
     words = sorted({w for d in menu.dishes for w in d.name.split() if w[:1].isupper()})
     text = "\n".join(m["content"] or "" for m in row["messages"])
