@@ -81,6 +81,7 @@ from kitchen.evaluate import (
     win_rate,
 )
 from kitchen.files import atomic_write_json, atomic_write_text, read_jsonl
+from kitchen.judge import RULES_VERSION
 from kitchen.models import ModelSpec, load_model
 from kitchen.report import Section, run_sections, write_html
 from kitchen.train import (
@@ -361,14 +362,18 @@ def _full_model(name: str, where: str | Path) -> bool:
     )
 
 
-def _played_key(name: str, where: str | Path, cfg: EvalConfig) -> tuple[str, int]:
+def _played_key(
+    name: str, where: str | Path, cfg: EvalConfig, guard: bool = False
+) -> tuple[str, int]:
     """What a policy's held-out episodes depend on: the evaluation settings, the held-out jobs
     themselves (tasks, personal constitutions, diners), the weights it plays with (the SFT
-    checkpoint; a run's latest adapter and the models its recipe names) and HELD_OUT_VERSION
-    for the code. Returns (key, the number of episodes a policy plays)."""
+    checkpoint; a run's latest adapter and the models its recipe names), HELD_OUT_VERSION for
+    the code and, with the `guard` (which asks the rule judge what to block), the judge's
+    `RULES_VERSION`. Returns (key, the number of episodes a policy plays)."""
     import hashlib
 
-    h = hashlib.sha256(f"{HELD_OUT_VERSION}|{name}|{cfg.model_dump_json()}".encode())
+    rules = f"|rules {RULES_VERSION}" if guard else ""
+    h = hashlib.sha256(f"{HELD_OUT_VERSION}{rules}|{name}|{cfg.model_dump_json()}".encode())
     jobs = eval_jobs(cfg)
     for task, pc, values in jobs:
         job = [task.model_dump(mode="json"), pc.model_dump(mode="json"), values]
@@ -398,7 +403,7 @@ def _play_held_out(
     still matches (`_played_key`), so an interrupted evaluation resumes at the policies it had
     not finished."""
     guard = guard and name != "sft"
-    key, played = _played_key(name, where, cfg)
+    key, played = _played_key(name, where, cfg, guard)
     if cache and Path(cache).exists():
         saved = json.loads(Path(cache).read_text())
         eps = saved.get("episodes") or {}

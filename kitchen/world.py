@@ -121,6 +121,23 @@ def phrase_pattern(phrases: Sequence[str], flags: int = 0) -> re.Pattern:
     return re.compile(r"(?<![\w])(" + "|".join(alts) + r")(?![\w])", flags)
 
 
+# The forms in which a message offers a dish by its name — the scripted agents' recommendations
+# and confirmations (`kitchen.scripted`): `I recommend X, …`, `I recommend X. …`, `X: 6$, …`
+# (brief), `X. With …` and `X. 9 dollars, …` (compact), `Shall I order X for you?`, `Order X?`.
+# The name is group 1: a capital letter, then anything up to the form's next mark.
+_NAME = r"([A-Z][^,.?:!\n]{0,60}?)"
+OFFER_FORMS = tuple(
+    re.compile(form)
+    for form in (
+        rf"\bI recommend {_NAME}[,.]",
+        rf"\bShall I order {_NAME}(?: for you)?\?",
+        rf"^Order {_NAME}\?",
+        rf"^{_NAME}: \d",
+        rf"^{_NAME}\. (?:With |\d)",
+    )
+)
+
+
 class Menu(StrictModel):
     dishes: list[Dish] = Field(min_length=1)
 
@@ -139,6 +156,20 @@ class Menu(StrictModel):
     def search(self, cuisine: str, course: str | None = None) -> list[Dish]:
         """The dishes `@search` returns: a cuisine's dishes of one course (mains by default)."""
         return [d for d in self.dishes if d.cuisine == cuisine and d.course == (course or "main")]
+
+    def invented(self, text: str) -> list[str]:
+        """Names `text` offers as a dish (`OFFER_FORMS`) that are no dish of the menu and hold
+        none: a dish made up, or a name garbled in writing it (`Mochi Chai`, `Pad`). Such a
+        message names no menu dish, so `mentioned` does not see it, yet it tells the diner of a
+        dish that no tool returned."""
+        out: list[str] = []
+        for form in OFFER_FORMS:
+            for m in form.finditer(text):
+                name = m.group(1).strip()
+                known = self.find(name) or self.mentioned(name) or name.lower() in self.cuisines
+                if not known and name not in out:
+                    out.append(name)
+        return out
 
     def find(self, name: str) -> Dish | None:
         return self.by_name.get(" ".join(name.strip().strip(".!?\"'").split()).lower())

@@ -264,7 +264,7 @@ def test_held_out_episodes_are_kept_and_replayed_only_when_their_key_changes(tmp
         demo.held_out(sft, cfg, False, 1, tmp_path / "kept")
 
 
-def test_a_saved_adapter_plays_as_an_arm_and_its_weights_key_its_episodes(tmp_path):
+def test_a_saved_adapter_plays_as_an_arm_and_its_weights_key_its_episodes(tmp_path, monkeypatch):
     """A saved adapter (data/models/mapo-tiny: base + LoRA, not a run folder) plays the held-out
     jobs as an arm, as `bench_arms.py mapo=data/models/mapo-tiny` asks; its episodes are keyed
     by its weights, so a changed adapter under the same path plays again."""
@@ -295,6 +295,11 @@ def test_a_saved_adapter_plays_as_an_arm_and_its_weights_key_its_episodes(tmp_pa
     base_weights = next(base.glob("*.safetensors"))
     base_weights.write_bytes(base_weights.read_bytes() + b" ")
     assert demo._played_key("rl", adapter, cfg)[0] != on_copy
+    # guarded episodes depend on the judge's rules (the guard asks it), unguarded ones do not
+    plain, guarded = (demo._played_key("rl", adapter, cfg, g)[0] for g in (False, True))
+    monkeypatch.setattr(demo, "RULES_VERSION", demo.RULES_VERSION + 1)
+    assert demo._played_key("rl", adapter, cfg, guard=True)[0] != guarded
+    assert demo._played_key("rl", adapter, cfg)[0] == plain
 
 
 def test_the_shipped_mapo_adapter_is_the_main_jobs_run_and_moves_the_policy():
