@@ -427,7 +427,10 @@ def _(mo):
     the fresh model learns to *copy* runs of random tokens (`copy_warmup:`,
     `kitchen/copying.py`, 11 of the 26 minutes). Trained on the dialogues alone, a model this
     small recalls dish names from the menu instead of copying them from the dialogue, and writes
-    the menu's most familiar dish where another belonged — a red line (A3).
+    the menu's most familiar dish where another belonged — a red line (A3). A model that copies
+    errs differently where its copy is unsure: it writes a name that is no dish at all
+    (`I recommend Mochi Chai, …`), which breaks A3 too — the rule judge reads the offer forms
+    for such names (`Menu.invented`), since no menu lookup would find them.
     """)
     return
 
