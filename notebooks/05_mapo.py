@@ -245,24 +245,21 @@ def _(mo):
     with held-out diners, scored by the rule judge — never the reviewer it is trained on: that
     curve, not the reward, says whether the policy got better. It plays 48 of them (half meals)
     at each point, because on fewer the points scatter more than training moves them: on 8 tasks
-    the same policy's compliance reads anywhere within ±0.04. On the previous SFT policy these
-    defaults raised it from 0.856 to 0.890 in seed 0 (held-out success 38 → 50%), by +0.025 in
-    seed 2 and not in seed 1 (the `seed` a recipe sets). The shipped SFT policy starts higher
-    (0.880), and on it a run this short does not move held-out compliance beyond the scatter of
-    its points, whatever the settings (measured for a dozen: learning rate, K, the state key,
-    the turn budget, even the rule judge as reviewer; docs/results.md, "Notebook 05's train
-    button"): it often drifts down, mostly through meals, which grow longer as the policy learns
-    to check (a check that keeps its clauses earns a full local reward) until more of them run
-    out of their 24 turns, and some of the extra checks name dishes no search returned. Three
-    things to see instead. With the share of meals at 0 (about a minute), single-dish success
-    rises in every seed measured (0.59 → 0.60–0.72). One clause moves at once: T5 (ask the
-    cuisine when the request names none) went from 0.66 to 0.70–0.90 in 15 of the 17 runs
-    measured. And what the local term holds: set α start and end to 0 (the outcome alone) and,
-    in a run of the same length, held-out meal compliance falls from 0.873 to 0.81–0.85 and the
-    share of each meal fulfilled from 0.54 to 0.43–0.48 (seeds 0–2), where the defaults keep
-    compliance at 0.85–0.87 and raise the share to 0.56–0.58 — the outcome's credit, spread over
-    twenty turns, erodes every turn. The main job's 60 iterations at K 8 do raise held-out
-    compliance, on meals too.
+    the same policy's compliance reads anywhere within ±0.04. On the shipped SFT policy (the
+    cold start made after a copying warm-up) these defaults raise it: in seed 0 from 0.877 to
+    0.899 (0.897, 0.871, 0.902 at iterations 4, 8 and 12 — one point dips), single dishes at
+    every point (0.891 → 0.918), held-out success 38 → 44%; on 96 tasks, seeds 0 and 1, 0.868 →
+    0.895 and 0.893, meals as well as single dishes (about three minutes on a 2-core machine;
+    docs/results.md, "Notebook 05's train button"). On the cold start shipped before it, a run
+    this short moved nothing past the scatter of its points, whatever the settings: its meals
+    grew longer as it learnt to check, until more of them ran out of their 24 turns. Two more
+    things to see. One clause moves at once: T5 (ask the cuisine when the request names none)
+    went from 0.66 to 0.70–0.90 in 15 of the 17 runs measured on that earlier policy. And what
+    the local term holds: set α start and end to 0 (the outcome alone) and, in a run of the same
+    length on it, held-out meal compliance fell from 0.873 to 0.81–0.85 and the share of each
+    meal fulfilled from 0.54 to 0.43–0.48 (seeds 0–2), where the defaults kept compliance at
+    0.85–0.87 and raised the share to 0.56–0.58 — the outcome's credit, spread over twenty
+    turns, erodes every turn.
 
     Meals are where credit assignment matters: a meal of several courses takes 12–20 turns, and
     one late mistake fails the whole order. The outcome-only `grpo` gives all twenty turns the same
