@@ -30,10 +30,7 @@ recommendation or an order writes them, so that line is the card copied in one r
 judgements added (`hits peanut` or `safe`, the verdicts). A reviewer should be given the facts a
 clause turns on, not be asked to memorise a catalogue, count words or search a long dialogue for
 one earlier mention: the cards are look-ups, the judgement (do the two allergen lists meet? is
-that a violation here?) stays the GRM's. A name a message offers as a dish that the menu does not
-have (`Menu.invented`: `I recommend Mochi Chai, …`) gets a card too, `Mochi Chai: not on the
-menu` — the look-up that found nothing — and the line writes `offer Mochi Chai not on the menu`
-(A3). Measured (PROVENANCE.md of the shipped GRM): with the
+that a violation here?) stays the GRM's. Measured (PROVENANCE.md of the shipped GRM): with the
 diner's allergies only in the header, up to 2,000 tokens back, the GRM wrote a trained diner's
 allergy list for an unseen one, and it missed most recommendations of dishes no search had
 returned (A3) or the diner had refused (A4); with the facts on a card in other words and another
@@ -187,13 +184,6 @@ def dish_card(dish: Any, state: Any, allergies: Sequence[str] = ()) -> str:
     return f"{dish.name}: " + "; ".join(_card_facts(dish, state, allergies))
 
 
-def invented_card(name: str) -> str:
-    """The card of a name a message offers as a dish that the menu does not have
-    (`Menu.invented`): the look-up found nothing, which is A3's fact about it; the review line
-    writes it as `offer <name> not on the menu`."""
-    return f"{sanitize(name)}: not on the menu"
-
-
 def _card_facts(dish: Any, t: Any, allergies: Sequence[str]) -> list[str]:
     """The look-up facts of `dish` at state `t`, in the review line's order and words: the dish's
     own (`_menu_facts`), then what the conversation did with it."""
@@ -269,7 +259,6 @@ def turn_lines(
     notes = [length(text, pc)] if info.action.kind == "say" else []
     dims = pc.dimensions if pc is not None else {}
     notes += [dish_card(d, state, dims.get("allergies") or []) for d in state.named[:2]]
-    notes += [invented_card(name) for name in state.invented[:1]]
     if state.named and dims.get("diet") == "vegetarian":
         notes.append("vegetarian diner")
     tag = f" ({'; '.join(notes)})" if notes else ""
@@ -433,9 +422,6 @@ def turn_facts(
       diner's answer (`diner agrees`, `diner refuses`);
     - order: `order <dish>`, the dish facts, in a meal `course <c> open|served|unasked` (T8),
       `returned`, `refused before` or `not refused`, `agreed` or `no consent` (T2);
-    - a message offering a dish the menu does not have (`Menu.invented`, A3): `offer <name> not
-      on the menu`, `no rec yet` / `rec before` and the length; beside a menu dish, `also offer
-      <name> not on the menu` at the end of that dish's phrases;
     - other messages: `confirm <dish>`, `ask cuisine`, `ask personal details`, `share contact
       details` or `chat`, then `cuisine …` (T4's clarification), `no rec yet` / `rec before`,
       and the length as above;
@@ -476,12 +462,8 @@ def turn_facts(
                 parts.append(_refused(t.dish.name, t))
                 parts += ["rec before" if t.recommended_before else "first rec", *words]
                 parts += [f"also names {d.name}" for d in t.named[1:3]]
-                parts += [f"also offer {sanitize(n)} not on the menu" for n in t.invented[:1]]
             elif t.dish is not None:
                 parts = [f"confirm {t.dish.name}", _returned(t), before, *words]
-                parts += [f"also offer {sanitize(n)} not on the menu" for n in t.invented[:1]]
-            elif t.invented:
-                parts = [f"offer {sanitize(t.invented[0])} not on the menu", before, *words]
             else:
                 if asks_pii(t.text):
                     what = "ask personal details"
