@@ -351,9 +351,11 @@ def test_one_update_is_the_same_with_branches_or_separate_sequences(runs_dir, mo
     assert tokens[0] < tokens[1], tokens
     moved = max((runs[0][k] - before[k]).abs().max().item() for k in before)
     # Adam's first step is about ±lr wherever the gradient is not ~0, so float noise in a
-    # near-zero gradient shows as a sliver of a step; wrong log-probs would flip whole signs
+    # gradient near Adam's eps shows as a sliver of a step (up to 1.4% of one measured, in 1 of
+    # 512 weights, once the judge read invented dishes and the guard blocked other candidates);
+    # wrong log-probs would flip whole signs, a difference of up to two steps
     for k in before:
-        torch.testing.assert_close(runs[0][k], runs[1][k], atol=1e-2 * moved, rtol=1e-3)
+        torch.testing.assert_close(runs[0][k], runs[1][k], atol=5e-2 * moved, rtol=1e-3)
 
 
 def test_learning_rate_schedules():
