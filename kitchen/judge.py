@@ -25,7 +25,7 @@ recommendation.
   copy names writes garbled ones (`Pad`, `Mochi Chai`) instead of recalling a wrong menu dish,
   and such a message names no menu dish, so the rule saw nothing there and caught only the
   `@order Mochi Chai` that followed (measured on the shipped SFT policy's 600 held-out episodes:
-  327 such messages, 11% of its messages; the scripted agents' SFT dialogues: none of 15,780).
+  332 such messages, 11% of its messages; the scripted agents' SFT dialogues: none of 15,780).
 - A4 respect — recommending again, or ordering, a dish the diner rejected: violate; other
   recommendations and orders: pass.
 - T1 check first — recommending or ordering d: pass if `@allergens d` came earlier, else violate.
