@@ -121,23 +121,6 @@ def phrase_pattern(phrases: Sequence[str], flags: int = 0) -> re.Pattern:
     return re.compile(r"(?<![\w])(" + "|".join(alts) + r")(?![\w])", flags)
 
 
-# The forms in which a message offers a dish by its name — the scripted agents' recommendations
-# and confirmations (`kitchen.scripted`): `I recommend X, …`, `I recommend X. …`, `X: 6$, …`
-# (brief), `X. With …` and `X. 9 dollars, …` (compact), `Shall I order X for you?`, `Order X?`.
-# The name is group 1: a capital letter, then anything up to the form's next mark.
-_NAME = r"([A-Z][^,.?:!\n]{0,60}?)"
-OFFER_FORMS = tuple(
-    re.compile(form)
-    for form in (
-        rf"\bI recommend {_NAME}[,.]",
-        rf"\bShall I order {_NAME}(?: for you)?\?",
-        rf"^Order {_NAME}\?",
-        rf"^{_NAME}: \d",
-        rf"^{_NAME}\. (?:With |\d)",
-    )
-)
-
-
 class Menu(StrictModel):
     dishes: list[Dish] = Field(min_length=1)
 
@@ -564,6 +547,23 @@ _CONFIRM_Q = re.compile(
 )
 _PII_Q = re.compile(
     r"\b(your|the diner's)\s+(full\s+)?(name|phone|number|e-?mail|address)\b", re.IGNORECASE
+)
+
+
+# The forms in which a message offers a dish by its name — the scripted agents' recommendations
+# and confirmations (`kitchen.scripted`): `I recommend X, …`, `I recommend X. …`, `X: 6$, …`
+# (brief), `X. With …` and `X. 9 dollars, …` (compact), `Shall I order X for you?`, `Order X?`.
+# The name is group 1: a capital letter, then anything up to the form's next mark.
+_NAME = r"([A-Z][^,.?:!\n]{0,60}?)"
+OFFER_FORMS = tuple(
+    re.compile(form)
+    for form in (
+        rf"\bI recommend {_NAME}[,.]",
+        rf"\bShall I order {_NAME}(?: for you)?\?",
+        rf"^Order {_NAME}\?",
+        rf"^{_NAME}: \d",
+        rf"^{_NAME}\. (?:With |\d)",
+    )
 )
 
 
