@@ -23,6 +23,7 @@ from pathlib import Path
 from kitchen import paths
 from kitchen.demo import KINDS, held_out
 from kitchen.evaluate import EvalConfig, eval_jobs, judged_scores, win_rate
+from kitchen.files import atomic_write_json
 
 
 def interval(w: tuple[float, float, float] | None) -> str:
@@ -52,6 +53,11 @@ def main() -> None:
     )
     policies = {"sft": paths.DATA / "models" / "policy-tiny", **arms}
     held, trajs = held_out(policies, cfg, cache=args.cache, unguarded=set(policies))
+    # the settings the kept episodes were played with, where bench_red_lines.py and
+    # bench_personal.py read them (`kitchen demo` writes the same key into its results.json)
+    settings = args.cache.parent / "results.json"
+    if not settings.exists():
+        atomic_write_json(settings, {"eval": cfg.model_dump()})
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
     scores = {n: judged_scores(trajs[n]["policy"], pcs) for n in policies}
     wins = {n: win_rate(scores[n], scores["sft"], cfg.bootstrap, cfg.seed) for n in arms}

@@ -53,7 +53,9 @@ from statistics import mean
 
 import torch
 
-from kitchen.evaluate import EvalConfig, eval_jobs
+from kitchen.config import KitchenError
+from kitchen.demo import kept_settings
+from kitchen.evaluate import eval_jobs
 from kitchen.files import read_jsonl
 from kitchen.judge import Turn, judge, replay
 from kitchen.mapo import clause_advantages, encode, form_judged, local_advantages
@@ -282,7 +284,7 @@ def main() -> None:
             print(f"  {v:<9} " + " · ".join(cells))
     if not args.folder or not args.names:
         return
-    cfg = EvalConfig(**json.loads((args.folder / "results.json").read_text())["eval"])
+    cfg = kept_settings(args.folder)
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
     menu = load_menu()
     for name in args.names:
@@ -293,4 +295,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (KitchenError, OSError) as e:
+        raise SystemExit(f"bench_personal: {e}") from None

@@ -2,7 +2,8 @@
 
 Not a test. Reads the held-out episodes `kitchen demo` keeps (`runs/<out>/held_out/<name>.json`,
 played on the jobs of `runs/<out>/results.json`'s evaluation settings) or `bench_arms.py` keeps
-(`runs/arms`, its default settings) and reports, per policy:
+(`runs/arms`; both write the settings they played with into the folder's `results.json`) and
+reports, per policy:
 
 - axiom violations per axiom and task kind (the rule judge);
 - where each A1 violation stood to the checks: right after the check of that dish, after an
@@ -63,6 +64,8 @@ from statistics import mean
 
 import torch
 
+from kitchen.config import KitchenError
+from kitchen.demo import kept_settings
 from kitchen.evaluate import EvalConfig, eval_jobs
 from kitchen.files import read_jsonl
 from kitchen.judge import Turn, judge, replay
@@ -218,11 +221,7 @@ def shares(counts: Counter) -> str:
 
 
 def held_out(folder: Path, names: list[str], grm_episodes: int) -> None:
-    results = folder / "results.json"
-    if results.exists():
-        cfg = EvalConfig(**json.loads(results.read_text())["eval"])
-    else:  # bench_arms.py's folder (runs/arms): its default settings
-        cfg = EvalConfig(tasks=300, samples=2, long_share=0.5)
+    cfg = kept_settings(folder)
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
     menu = load_menu()
     for name in names:
@@ -385,4 +384,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (KitchenError, OSError) as e:
+        raise SystemExit(f"bench_red_lines: {e}") from None

@@ -427,6 +427,20 @@ def _play_held_out(
     return name, eps
 
 
+def kept_settings(folder: str | os.PathLike) -> EvalConfig:
+    """The evaluation settings the held-out episodes kept in `folder/held_out/` were played with:
+    the `eval` key of `folder/results.json`, which `kitchen demo` and `benchmarks/bench_arms.py`
+    write beside them."""
+    path = Path(folder) / "results.json"
+    try:
+        return EvalConfig(**json.loads(path.read_text())["eval"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KitchenError(
+            f"{path}: no evaluation settings to read ({e}); run `kitchen demo` or "
+            "benchmarks/bench_arms.py first — they write it beside the episodes they keep"
+        ) from e
+
+
 def held_out(
     policies: dict[str, str | Path],
     cfg: EvalConfig,

@@ -358,3 +358,16 @@ def test_main_job_measures_sample_efficiency_with_half_runs(tmp_path, runs_dir):
         assert h["mapo_half_from"] == "run" and (h["mapo_episodes"], h["grpo_episodes"]) == (2, 4)
     table = (runs_dir / "demo" / "table.md").read_text()
     assert "MAPO after 2 episodes (a run of its own) against GRPO after 4" in table
+
+
+def test_kept_settings_reads_what_the_episodes_were_played_with(tmp_path: Path) -> None:
+    (tmp_path / "results.json").write_text(
+        json.dumps({"eval": {"tasks": 7, "samples": 3, "long_share": 0.25}, "other": 1})
+    )
+    cfg = demo.kept_settings(tmp_path)
+    assert (cfg.tasks, cfg.samples, cfg.long_share) == (7, 3, 0.25)
+    with pytest.raises(KitchenError, match=r"empty.*results\.json.*no evaluation settings"):
+        demo.kept_settings(tmp_path / "empty")
+    (tmp_path / "results.json").write_text(json.dumps({"policies": {}}))  # no "eval" key
+    with pytest.raises(KitchenError, match="no evaluation settings"):
+        demo.kept_settings(tmp_path)
