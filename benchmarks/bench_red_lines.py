@@ -16,8 +16,9 @@ reports, per policy:
   dish, check another, anything else. A policy that reads its checks recommends after a safe
   check and moves on after an unsafe one; the scripted agents of the SFT data never recommend a
   dish their check found unsafe;
-- with `--grm N`: the shipped GRM's verdicts on the first N episodes against the rule judge's
-  for A1, A3 and A4 (violations caught, false alarms) — is the reviewer what misses them?
+- with `--grm N`: the shipped GRM's verdicts on the first N episodes against the rule judge's,
+  every clause (violations caught, called n/a, false alarms), and how far the local reward it
+  gives each turn is from the judge's — is the reviewer what misses them?
 
 `--diners POLICY` plays held-out tasks twice with the same policy — once with the training
 diners, once with the held-out ones — and compares the axiom violations (A1 per judged turn of an
@@ -261,23 +262,40 @@ def held_out(folder: Path, names: list[str], grm_episodes: int) -> None:
 def grm_recall(trajs, pcs, menu) -> None:
     from kitchen.grm import GRM
     from kitchen.paths import RECIPES
+    from kitchen.review import turn_rewards
     from kitchen.train import load_recipe
 
     torch.set_num_threads(1)
-    grm = GRM.load(load_recipe(RECIPES / "tiny_mapo.yaml").grm)
-    seen = Counter()
+    recipe = load_recipe(RECIPES / "tiny_mapo.yaml")
+    grm, r = GRM.load(recipe.grm), recipe.reward
+    seen, gaps = Counter(), []
     for traj, pc, review in zip(trajs, pcs, grm.review(trajs, pcs), strict=True):
-        for v in judge(traj, pc, menu).verdicts:
-            if v.clause in AXIOMS and v.verdict in ("pass", "violate"):
+        truth = judge(traj, pc, menu)
+        for v in truth.verdicts:
+            if v.verdict in ("pass", "violate"):
                 got = review.get(v.turn, v.clause)
                 seen[(v.clause, v.verdict, got.verdict if got else None)] += 1
-    print(f"  the GRM on {len(trajs)} episodes (the rule judge's verdicts as truth):")
-    for clause in AXIOMS:
+        how = {"mode": r.local_mode, "flagged": r.flagged, "red_lines": r.red_lines}
+        mine, ok, _ = turn_rewards(review, pc, **how)
+        ref, ref_ok, _ = turn_rewards(truth, pc, **how)
+        gaps += [abs(a - b) for a, b, x, y in zip(mine, ref, ok, ref_ok, strict=True) if x and y]
+    print(
+        f"  the GRM on {len(trajs)} episodes, the main job's recipe (its cascade decides "
+        f"{', '.join(recipe.grm.cascade) or 'nothing'}), the rule judge's verdicts as truth:"
+    )
+    for clause in sorted({c for c, _, _ in seen}, key=lambda c: (c[0], int(c[1:]))):
         bad = sum(n for (c, j, _), n in seen.items() if c == clause and j == "violate")
-        caught = seen[(clause, "violate", "violate")]
         good = sum(n for (c, j, _), n in seen.items() if c == clause and j == "pass")
-        alarms = seen[(clause, "pass", "violate")]
-        print(f"    {clause}: {caught} of {bad} violations caught, {alarms} false alarms in {good}")
+        print(
+            f"    {clause}: {seen[(clause, 'violate', 'violate')]} of {bad} violations caught "
+            f"({seen[(clause, 'violate', 'n/a')]} called n/a), "
+            f"{seen[(clause, 'pass', 'violate')]} false alarms in {good}"
+        )
+    if gaps:
+        print(
+            f"    local reward ({r.local_mode}): mean |GRM − judge| "
+            f"{sum(gaps) / len(gaps):.3f} over {len(gaps)} turns"
+        )
 
 
 def allergies_in(system: str) -> set[str]:
