@@ -53,10 +53,11 @@ def main() -> None:
     )
     policies = {"sft": paths.DATA / "models" / "policy-tiny", **arms}
     held, trajs = held_out(policies, cfg, cache=args.cache, unguarded=set(policies))
-    # the settings the kept episodes were played with, where bench_red_lines.py and
-    # bench_personal.py read them (`kitchen demo` writes the same key into its results.json)
+    # the settings the kept episodes were last played with, where bench_red_lines.py and
+    # bench_personal.py read them; a `kitchen demo` folder's results.json (more than these
+    # settings) is left alone
     settings = args.cache.parent / "results.json"
-    if not settings.exists():
+    if not settings.exists() or set(json.loads(settings.read_text())) == {"eval"}:
         atomic_write_json(settings, {"eval": cfg.model_dump()})
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
     scores = {n: judged_scores(trajs[n]["policy"], pcs) for n in policies}
