@@ -69,7 +69,7 @@ from kitchen.config import KitchenError
 from kitchen.demo import kept_settings
 from kitchen.evaluate import EvalConfig, eval_jobs
 from kitchen.files import read_jsonl
-from kitchen.judge import Turn, judge, replay
+from kitchen.judge import RULES, Turn, judge, replay
 from kitchen.world import Task, Trajectory, load_menu
 
 AXIOMS = ("A1", "A3", "A4")
@@ -283,7 +283,7 @@ def grm_recall(trajs, pcs, menu) -> None:
         f"  the GRM on {len(trajs)} episodes, the main job's recipe (its cascade decides "
         f"{', '.join(recipe.grm.cascade) or 'nothing'}), the rule judge's verdicts as truth:"
     )
-    for clause in sorted({c for c, _, _ in seen}, key=lambda c: (c[0], int(c[1:]))):
+    for clause in [c for c in RULES if any(k[0] == c for k in seen)]:  # the judge's order
         bad = sum(n for (c, j, _), n in seen.items() if c == clause and j == "violate")
         good = sum(n for (c, j, _), n in seen.items() if c == clause and j == "pass")
         print(
