@@ -546,6 +546,39 @@ def side_by_side(
     return out
 
 
+def arithmetic(recipe: Recipe) -> dict[str, str]:
+    """What the recipe's GRM review and policy update compute in on this machine: its `fast`
+    settings (`grm.dtype`, `train.autocast`) are bfloat16 where the device multiplies it in
+    hardware (a CPU with AMX, a CUDA GPU) and float32 elsewhere, so runs on two machines can
+    differ in their last bits and in time (README, *On a CPU without AMX*)."""
+    from kitchen.grm import review_dtype
+    from kitchen.models import bf16_is_native, resolve_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    review = str(resolve_dtype(review_dtype(recipe.grm.dtype), device)).removeprefix("torch.")
+    update = recipe.train.autocast
+    if update == "fast":
+        update = "bfloat16" if bf16_is_native(device) else "none"
+    return {
+        "device": device.type,
+        "review": review,
+        "update": "float32" if update == "none" else "bfloat16 autocast",
+    }
+
+
+def precision_note(recipe: Recipe, math: dict[str, str]) -> str | None:
+    """A line for the user when the recipe asks for bfloat16 where it pays (`fast`) and this
+    machine has no hardware for it, so the job runs in float32 and takes longer; None otherwise."""
+    asked = recipe.grm.dtype == "fast" or recipe.train.autocast == "fast"
+    if not asked or math["device"] != "cpu" or "bfloat16" in math["review"] + math["update"]:
+        return None
+    return (
+        "note: this CPU does not multiply bfloat16 in hardware (no AMX), so the recipe's `fast` "
+        "review and update run in float32: about 1.4x the time they take on a CPU with AMX, and "
+        "figures that differ from the README's bfloat16 runs in their details"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # The job
 
@@ -579,6 +612,10 @@ def main_job(
                     else "train it first (the recipe's header names the commands)"
                 )
             )
+    math = arithmetic(start)
+    note = precision_note(start, math)
+    if note and progress:
+        tqdm.write(note)
     seeds = list(seeds)
     out_name = out_name or ("demo" if seeds == [0] else "demo-seeds")
     prefix = "demo" if out_name == "demo" else out_name
@@ -635,6 +672,7 @@ def main_job(
         },
         "eval": cfg.model_dump(),
         "sft_policy": start.policy.path,
+        "arithmetic": math,
         "train_seconds": train_s,
         "held_out": held,
         "sample_efficiency": eff,
@@ -668,7 +706,8 @@ def main_job(
         out / "report.html",
         "kitchen main job: MAPO on the concierge world",
         report_sections(results, curves, folders, trajs, pcs, prefix),
-        intro=f"{results['seconds'] / 60:.1f} minutes end to end; `kitchen demo` re-creates it. "
+        intro=f"{results['seconds'] / 60:.1f} minutes end to end on {math['device']} (GRM review "
+        f"in {math['review']}, update in {math['update']}); `kitchen demo` re-creates it. "
         "Evaluation uses the independent rule judge on held-out tasks and diners.",
     )
     atomic_write_json(out / "results.json", json_ready(results))

@@ -175,6 +175,8 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir, monkeypatch):
     assert set(results["sample_efficiency"]["long"]) == {0}
     html = (runs_dir / "demo" / "report.html").read_text()
     assert "differ in the advantage estimator alone" in html and html.count("<svg") > 10
+    assert saved["arithmetic"] == demo.arithmetic(load_recipe(recipe))
+    assert f"GRM review in {saved['arithmetic']['review']}" in html
     assert "Side by side" in html and "— sft —" in html
     assert "mapo: win rate vs SFT" in demo.summary(results)
     table = (runs_dir / "demo" / "table.md").read_text()
@@ -371,3 +373,29 @@ def test_kept_settings_reads_what_the_episodes_were_played_with(tmp_path: Path) 
     (tmp_path / "results.json").write_text(json.dumps({"policies": {}}))  # no "eval" key
     with pytest.raises(KitchenError, match="no evaluation settings"):
         demo.kept_settings(tmp_path)
+
+
+def test_the_job_says_when_fast_settings_fall_back_to_float32(monkeypatch):
+    """`fast` review and update are bfloat16 on a CPU with AMX and float32 on one without, which
+    the job tells the user (it takes longer) and records; settings that ask for no bfloat16 get
+    no note."""
+    import kitchen.models as models
+
+    recipe = load_recipe(paths.RECIPES / "tiny_mapo.yaml")
+    assert (recipe.grm.dtype, recipe.train.autocast) == ("fast", "fast")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "cpu_has_bf16_matmul", lambda: False)
+    math = demo.arithmetic(recipe)
+    assert math == {"device": "cpu", "review": "float32", "update": "float32"}
+    assert "float32" in demo.precision_note(recipe, math)
+    plain = recipe.model_copy(
+        update={
+            "grm": recipe.grm.model_copy(update={"dtype": "float32"}),
+            "train": recipe.train.model_copy(update={"autocast": "none"}),
+        }
+    )
+    assert demo.precision_note(plain, demo.arithmetic(plain)) is None
+    monkeypatch.setattr(models, "cpu_has_bf16_matmul", lambda: True)
+    math = demo.arithmetic(recipe)
+    assert math == {"device": "cpu", "review": "bfloat16", "update": "bfloat16 autocast"}
+    assert demo.precision_note(recipe, math) is None
