@@ -38,6 +38,15 @@ Measured on this 2-core machine (2026-12-05): 1.52 tokens per forward with one d
 (attention reads every key once per query on a CPU, and transformers repeats the grouped K/V
 heads for more than one query), so the projection is 0.60x and 0.46x: not built.
 
+The last line says where a decode step goes: rows a step (writing, or riding along while they
+wait for their prefill), the attention's width (every row reads the widest row's columns) and the
+share of it that holds tokens, and a step of that shape against one forward's fixed cost. On
+this machine without AMX (float32, 2026-12-07; `--policy data/models/policy-tiny --n 32 --batch
+32 --no-per-clause`): 548 steps, 21.2 rows a step (17.6 writing), 1,029 columns wide, 63% filled;
+a step 20.3 ms, 6.6 of them fixed. A review decodes few rows at a time, so the fixed cost and
+the unfilled columns are a third of its decode; what was tried against them is in the README
+(*On a CPU without AMX*).
+
 `--compare GRM` puts a second GRM beside `--grm` on the same dialogues (with `--policy`, that
 policy's rollouts on held-out tasks, what RL reviews), both with the cascade the main job uses
 (T3, T6 by code), taken in turn twice: review seconds, lines and tokens written a line, decided
@@ -321,7 +330,9 @@ def main() -> None:
         lookahead(grm, trajs, pcs)
         return
 
+    grm.stats.clear()
     fast, w_fast, c_fast = timed(lambda: grm.review(trajs, pcs))
+    work = dict(grm.stats)
     texts = [t[0] for t in grm.last_text]
     slow, w_slow, c_slow = timed(lambda: slow_grm.review(trajs, pcs))
     rows = [
@@ -337,6 +348,8 @@ def main() -> None:
     print(
         f"command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python "
         f"benchmarks/bench_grm.py --n {args.n} --batch {args.batch} --threads {args.threads}"
+        + (" --no-per-clause" if args.no_per_clause else "")
+        + (f" --policy {args.policy}" if args.policy else "")
     )
     print(
         f"{len(trajs)} held-out dialogues ({args.long:.0%} meals, {turns:.1f} turns), "
@@ -357,6 +370,27 @@ def main() -> None:
     if not args.no_per_clause:
         print(f"every clause in one conversation vs one per clause: {w_one / w_fast:.1f}x faster")
     print(f"engine CPU time / arithmetic limit ({limit:.2f} s): {c_fast / limit:.1f}x")
+    decode_shape(grm, work)
+
+
+def decode_shape(grm: GRM, work: dict[str, int]) -> None:
+    """Where a decode step's time goes: rows a step (writing, riding along), the attention's
+    width and how much of it holds tokens, and one forward's fixed cost (1 row, 10 tokens)
+    against a step of the measured mean shape."""
+    steps = work.get("decode_steps", 0)
+    if not steps:
+        return
+    rows = work["decode_rows"] / steps
+    width = work["decode_cols"] / max(work["decode_rows"], 1)
+    fixed = forward_ms(grm, 1, 10, 1)
+    step = forward_ms(grm, max(1, round(rows)), max(1, round(width)), 1)
+    print(
+        f"decode: {steps} steps, {rows:.1f} rows a step "
+        f"({(work['decode_rows'] - work['riders']) / steps:.1f} writing, the rest waiting for "
+        f"their prefill), attention {width:.0f} columns wide, "
+        f"{work['decode_filled'] / max(work['decode_cols'], 1):.0%} of them filled; a step of that "
+        f"shape {step:.1f} ms, of which {fixed:.1f} ms one forward's fixed cost"
+    )
 
 
 if __name__ == "__main__":

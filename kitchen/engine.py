@@ -409,7 +409,9 @@ Constraint = Callable[[Hashable, Sequence[int]], Sequence[int] | None]
 class EngineStats:
     """Work done. `prefill_tokens` counts the positions read in prefill forwards (padding
     included), `prefill_real` the prompt tokens among them; `decode_rows` the row slots of decode
-    forwards (`riders` of them rows waiting for their prefill)."""
+    forwards (`riders` of them rows waiting for their prefill); `decode_cols` the key columns
+    their attention read (rows × the batch's width, what a decode step's attention costs) and
+    `decode_filled` those that hold a row's token (the rest lie past a shorter row's end)."""
 
     prefill_tokens: int = 0
     prefill_real: int = 0
@@ -417,6 +419,8 @@ class EngineStats:
     decode_steps: int = 0
     decode_rows: int = 0
     riders: int = 0
+    decode_cols: int = 0
+    decode_filled: int = 0
     generated: int = 0
     graphs: int = 0
 
@@ -876,6 +880,8 @@ class Engine:
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(rows)
         self.stats.riders += len(rows) - len(decoding)
+        self.stats.decode_cols += len(rows) * width
+        self.stats.decode_filled += sum(lengths) + len(rows)
         self._sample(rows, decoding, logits[decoding] if len(decoding) < len(rows) else logits)
 
     def _sample(self, rows: list[_Row], pos: list[int], logits: torch.Tensor) -> None:

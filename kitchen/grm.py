@@ -245,6 +245,17 @@ def _breaks(piece: str) -> bool:
 # --------------------------------------------------------------------------------------------
 # The model
 
+# what `GRM.stats` adds up from the engine's work (`kitchen.engine.EngineStats`)
+ENGINE_STATS = (
+    "prefill_tokens",
+    "generated",
+    "decode_steps",
+    "decode_rows",
+    "riders",
+    "decode_cols",
+    "decode_filled",
+)
+
 
 class GRM:
     """A generative reward model: `review(trajectories, personal constitutions) -> [Review]`."""
@@ -444,8 +455,8 @@ class GRM:
 
         requests = [Request(k, self._prompt(k, convs[k], []), self._seed(k, 0)) for k in convs]
         engine.serve(requests, params, on_done, constraint=constraint, tokenizer=tok)
-        self.stats["prefill_tokens"] += engine.stats.prefill_tokens
-        self.stats["generated"] += engine.stats.generated
+        for name in ENGINE_STATS:
+            self.stats[name] += getattr(engine.stats, name)
 
     def _converse_generate(self, convs, spans, lines) -> None:
         """Without the engine: turn index by turn index, every open conversation in batches."""

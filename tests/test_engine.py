@@ -304,6 +304,27 @@ def test_shared_prompts_are_read_once(policy):
         assert_close(torch.tensor(o.logprobs), recompute(model, p, o.tokens), atol=1e-4, rtol=0)
 
 
+def test_decode_stats_count_the_attention_width_and_what_fills_it(policy):
+    """Every decode step reads the batch's widest row for every row: the columns read are rows ×
+    width, those holding tokens each row's own length — equal for one row, fewer for rows of
+    different lengths."""
+    model, tok = policy
+    short, long = prompt(tok, REQUESTS[2]), prompt(tok, REQUESTS[3], [
+        {"role": "assistant", "content": "Indian it is. Any allergies I should know about?"},
+        {"role": "user", "content": "None at all, thank you."}])  # fmt: skip
+    alone = Engine(model)
+    alone.generate([short], params(tok, max_new_tokens=8), [0])
+    s = alone.stats
+    assert s.decode_steps > 0 and s.decode_filled == s.decode_cols == sum(
+        len(short) + t + 1 for t in range(s.decode_steps)
+    )
+    both = Engine(model)
+    both.generate([short, long], params(tok, max_new_tokens=8), [0, 1])
+    s = both.stats
+    assert s.decode_rows > s.decode_steps  # some steps carried both rows
+    assert s.decode_filled < s.decode_cols <= s.decode_rows * (len(long) + s.decode_steps)
+
+
 # ----------------------------------------------------------------------------------------------
 # Which models; LoRA
 
