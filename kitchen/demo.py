@@ -566,11 +566,11 @@ def arithmetic(recipe: Recipe) -> dict[str, str]:
     }
 
 
-def precision_note(recipe: Recipe, math: dict[str, str]) -> str | None:
+def precision_note(recipe: Recipe, arith: dict[str, str]) -> str | None:
     """A line for the user when the recipe asks for bfloat16 where it pays (`fast`) and this
     machine has no hardware for it, so the job runs in float32 and takes longer; None otherwise."""
     asked = recipe.grm.dtype == "fast" or recipe.train.autocast == "fast"
-    if not asked or math["device"] != "cpu" or "bfloat16" in math["review"] + math["update"]:
+    if not asked or arith["device"] != "cpu" or "bfloat16" in arith["review"] + arith["update"]:
         return None
     return (
         "note: this CPU does not multiply bfloat16 in hardware (no AMX), so the recipe's `fast` "
@@ -612,8 +612,8 @@ def main_job(
                     else "train it first (the recipe's header names the commands)"
                 )
             )
-    math = arithmetic(start)
-    note = precision_note(start, math)
+    arith = arithmetic(start)
+    note = precision_note(start, arith)
     if note and progress:
         tqdm.write(note)
     seeds = list(seeds)
@@ -672,7 +672,7 @@ def main_job(
         },
         "eval": cfg.model_dump(),
         "sft_policy": start.policy.path,
-        "arithmetic": math,
+        "arithmetic": arith,
         "train_seconds": train_s,
         "held_out": held,
         "sample_efficiency": eff,
@@ -706,8 +706,8 @@ def main_job(
         out / "report.html",
         "kitchen main job: MAPO on the concierge world",
         report_sections(results, curves, folders, trajs, pcs, prefix),
-        intro=f"{results['seconds'] / 60:.1f} minutes end to end on {math['device']} (GRM review "
-        f"in {math['review']}, update in {math['update']}); `kitchen demo` re-creates it. "
+        intro=f"{results['seconds'] / 60:.1f} minutes end to end on {arith['device']} (GRM review "
+        f"in {arith['review']}, update in {arith['update']}); `kitchen demo` re-creates it. "
         "Evaluation uses the independent rule judge on held-out tasks and diners.",
     )
     atomic_write_json(out / "results.json", json_ready(results))

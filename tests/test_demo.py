@@ -385,9 +385,9 @@ def test_the_job_says_when_fast_settings_fall_back_to_float32(monkeypatch):
     assert (recipe.grm.dtype, recipe.train.autocast) == ("fast", "fast")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(models, "cpu_has_bf16_matmul", lambda: False)
-    math = demo.arithmetic(recipe)
-    assert math == {"device": "cpu", "review": "float32", "update": "float32"}
-    assert "float32" in demo.precision_note(recipe, math)
+    arith = demo.arithmetic(recipe)
+    assert arith == {"device": "cpu", "review": "float32", "update": "float32"}
+    assert "float32" in demo.precision_note(recipe, arith)
     plain = recipe.model_copy(
         update={
             "grm": recipe.grm.model_copy(update={"dtype": "float32"}),
@@ -396,6 +396,6 @@ def test_the_job_says_when_fast_settings_fall_back_to_float32(monkeypatch):
     )
     assert demo.precision_note(plain, demo.arithmetic(plain)) is None
     monkeypatch.setattr(models, "cpu_has_bf16_matmul", lambda: True)
-    math = demo.arithmetic(recipe)
-    assert math == {"device": "cpu", "review": "bfloat16", "update": "bfloat16 autocast"}
-    assert demo.precision_note(recipe, math) is None
+    arith = demo.arithmetic(recipe)
+    assert arith == {"device": "cpu", "review": "bfloat16", "update": "bfloat16 autocast"}
+    assert demo.precision_note(recipe, arith) is None
