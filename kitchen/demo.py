@@ -552,10 +552,11 @@ def arithmetic(recipe: Recipe) -> dict[str, str]:
     hardware (a CPU with AMX, a CUDA GPU) and float32 elsewhere, so runs on two machines can
     differ in their last bits and in time (README, *On a CPU without AMX*)."""
     from kitchen.grm import review_dtype
-    from kitchen.models import bf16_is_native, resolve_dtype
+    from kitchen.models import bf16_is_native, resolve_device, resolve_dtype
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    review = str(resolve_dtype(review_dtype(recipe.grm.dtype), device)).removeprefix("torch.")
+    device = resolve_device(recipe.policy.device)  # the update's; the GRM loads on `auto`
+    grm_device = resolve_device("auto")
+    review = str(resolve_dtype(review_dtype(recipe.grm.dtype), grm_device)).removeprefix("torch.")
     update = recipe.train.autocast
     if update == "fast":
         update = "bfloat16" if bf16_is_native(device) else "none"
