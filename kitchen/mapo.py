@@ -107,11 +107,15 @@ class Norm(StrictModel):
         "*other* members, the leave-one-out baseline of RLOO (Kool et al. 2019; Ahmadian et al. "
         "2024), which keeps the estimator unbiased; it equals n/(n−1)·(r − mean).",
     )
-    scale: Literal["std", "none"] = Field(
+    scale: Literal["std", "none", "batch"] = Field(
         "std",
         description="'std' divides by the group's standard deviation (z-score; GRPO, Shao et al. "
         "2024). 'none' keeps the centred value: Dr. GRPO (Liu et al. 2025) shows that dividing by "
-        "std up-weights groups that are nearly solved or nearly hopeless.",
+        "std up-weights groups that are nearly solved or nearly hopeless. 'batch' centres in the "
+        "group and divides by one standard deviation of the centred values of the whole batch "
+        "(REINFORCE++ with a group baseline, Hu et al. 2025): advantages of unit scale, as with "
+        "'std', that keep each group's spread — a group whose members differ by a red line "
+        "pushes harder than one whose members differ by a wording.",
     )
     unbiased: bool = Field(
         True,
@@ -150,7 +154,7 @@ def group_normalize(
     groups: Tensor,
     *,
     baseline: Literal["mean", "loo"] = "mean",
-    scale: Literal["std", "none"] = "std",
+    scale: Literal["std", "none", "batch"] = "std",
     unbiased: bool = True,
     eps: float = 1e-6,
     eps_mode: Literal["std", "var"] = "std",
@@ -165,6 +169,10 @@ def group_normalize(
         A_i = (r_i − b_i) / (σ_g + eps)                    (scale 'std', eps_mode 'std')
         A_i = (r_i − b_i) / sqrt(σ²_g + eps)               (scale 'std', eps_mode 'var')
         A_i =  r_i − b_i                                   (scale 'none')
+        A_i = (r_i − b_i) / (σ_B + eps)                    (scale 'batch')
+
+    where σ_B is the standard deviation of r_i − b_i over every sample of the batch whose group
+    has two or more members and some spread (the same Bessel choice and `eps_mode`).
 
     Edge cases (docs/method.md#mapo): a group of one sample and a group whose values are all equal give
     A = 0 exactly; both are flagged in the returned `GroupStats`. Non-finite values raise.
@@ -202,10 +210,17 @@ def group_normalize(
         adv = r - others
     else:
         adv = centred
+    dead = (singleton | zero_var)[code]
     if scale == "std":
         denom = var.sqrt() + eps if eps_mode == "std" else (var + eps).sqrt()
         adv = adv / denom[code].clamp(min=torch.finfo(acc).tiny)
-    dead = (singleton | zero_var)[code]
+    elif scale == "batch":
+        live = adv[~dead]
+        spread = (live.var(unbiased=unbiased) if live.numel() > 1 else adv.new_zeros(())).clamp(
+            min=0
+        )
+        denom = spread.sqrt() + eps if eps_mode == "std" else (spread + eps).sqrt()
+        adv = adv / denom.clamp(min=torch.finfo(acc).tiny)
     adv = torch.where(dead, torch.zeros_like(adv), adv)
 
     stats = GroupStats(
@@ -1256,6 +1271,8 @@ def _norm_text(x: str, group: str, norm: Norm) -> str:
     if norm.scale == "none":
         return f"({centre})"
     spread = "Bessel std" if norm.unbiased else "population std"
+    if norm.scale == "batch":
+        group = "batch"  # one spread: the centred values of every live group
     if norm.eps_mode == "var":
         return f"({centre}) / sqrt(var_{group} + {norm.eps:g})   [{spread}]"
     return f"({centre}) / (std_{group} + {norm.eps:g})   [{spread}]"

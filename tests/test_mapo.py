@@ -90,6 +90,20 @@ def test_singletons_and_zero_variance_give_zero_and_are_flagged():
     assert_close(adv[4:], t(-1, 1) / (math.sqrt(2) + 1e-6))
 
 
+def test_batch_scale_keeps_each_groups_spread():
+    """scale='batch': centred in the group, divided by one std of the batch's live centred values.
+    Groups [0, 2] and [0, 0.2] centre to ±1 and ±0.1; a singleton and an equal pair stay 0 and
+    do not enter the spread (Bessel over the four live values: sqrt(2.02 / 3)). Under 'std' both
+    pairs would be ±0.707: the wide group no longer pushes ten times as hard."""
+    values, groups = t(0, 2, 0, 0.2, 5, 3, 3), g(0, 0, 1, 1, 2, 3, 3)
+    adv, _ = group_normalize(values, groups, scale="batch")
+    sd = math.sqrt((1 + 1 + 0.01 + 0.01) / 3)
+    assert_close(adv, t(-1, 1, -0.1, 0.1, 0, 0, 0) / (sd + 1e-6))
+    z, _ = group_normalize(values, groups)
+    assert_close(z[0:2].abs(), z[2:4].abs())
+    assert float(adv[1] / adv[3]) == pytest.approx(10.0)
+
+
 def test_eps_inside_the_square_root():
     """eps_mode='var' is verl's masked_whiten: (x − mean) / sqrt(var + eps)."""
     adv, _ = group_normalize(t(0, 1), g(0, 0), eps=1e-8, eps_mode="var")
