@@ -216,9 +216,7 @@ def group_normalize(
         adv = adv / denom[code].clamp(min=torch.finfo(acc).tiny)
     elif scale == "batch":
         live = adv[~dead]
-        spread = (live.var(unbiased=unbiased) if live.numel() > 1 else adv.new_zeros(())).clamp(
-            min=0
-        )
+        spread = live.var(unbiased=unbiased) if live.numel() > 1 else adv.new_zeros(())
         denom = spread.sqrt() + eps if eps_mode == "std" else (spread + eps).sqrt()
         adv = adv / denom.clamp(min=torch.finfo(acc).tiny)
     adv = torch.where(dead, torch.zeros_like(adv), adv)
