@@ -87,6 +87,7 @@ from kitchen.report import Section, run_sections, write_html
 from kitchen.train import (
     Recipe,
     _home,
+    autocast_mode,
     latest_checkpoint,
     load_recipe,
     load_run_policy,
@@ -552,14 +553,12 @@ def arithmetic(recipe: Recipe) -> dict[str, str]:
     hardware (a CPU with AMX, a CUDA GPU) and float32 elsewhere, so runs on two machines can
     differ in their last bits and in time (README, *On a CPU without AMX*)."""
     from kitchen.grm import review_dtype
-    from kitchen.models import bf16_is_native, resolve_device, resolve_dtype
+    from kitchen.models import resolve_device, resolve_dtype
 
     device = resolve_device(recipe.policy.device)  # the update's; the GRM loads on `auto`
     grm_device = resolve_device("auto")
     review = str(resolve_dtype(review_dtype(recipe.grm.dtype), grm_device)).removeprefix("torch.")
-    update = recipe.train.autocast
-    if update == "fast":
-        update = "bfloat16" if bf16_is_native(device) else "none"
+    update = autocast_mode(recipe.train.autocast, device)
     return {
         "device": device.type,
         "review": review,
@@ -571,7 +570,8 @@ def precision_note(recipe: Recipe, arith: dict[str, str]) -> str | None:
     """A line for the user when the recipe asks for bfloat16 where it pays (`fast`) and this
     machine has no hardware for it, so the job runs in float32 and takes longer; None otherwise."""
     asked = recipe.grm.dtype == "fast" or recipe.train.autocast == "fast"
-    if not asked or arith["device"] != "cpu" or "bfloat16" in arith["review"] + arith["update"]:
+    fell_back = arith["device"] == "cpu" and arith["review"] == arith["update"] == "float32"
+    if not (asked and fell_back):
         return None
     return (
         "note: this CPU does not multiply bfloat16 in hardware (no AMX), so the recipe's `fast` "

@@ -1639,12 +1639,19 @@ def _field_of(block: Loc, message: str) -> Loc:
     return block + (("path",) if block == ("policy",) else ("model",))
 
 
+def autocast_mode(mode: str, device: torch.device) -> str:
+    """`TrainConfig.autocast` on `device`: 'fast' becomes 'bfloat16' where bfloat16 is multiplied
+    in hardware and 'none' elsewhere; the other modes stay."""
+    if mode == "fast":
+        return "bfloat16" if bf16_is_native(device) else "none"
+    return mode
+
+
 def update_autocast(mode: str, device: torch.device) -> torch.autocast:
     """`TrainConfig.autocast` → the autocast context the update's passes run in (disabled for
     'none', and for 'fast' where bfloat16 is not multiplied in hardware)."""
-    if mode == "fast":
-        mode = "bfloat16" if bf16_is_native(device) else "none"
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bfloat16")
+    enabled = autocast_mode(mode, device) == "bfloat16"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def diverged(recipe: Recipe, iteration: int, loss: float, grad_norm: float) -> Problem:
