@@ -923,6 +923,26 @@ class AdvantageConfig(StrictModel):
         return self
 
     @property
+    def uses_local(self) -> bool:
+        """Does the local term ever weigh in? Not when α is 0 for the whole schedule (GRPO)."""
+        a = self.alpha
+        return max((a.alpha0,) if a.kind == "constant" else (a.alpha0, a.alpha1)) > 0
+
+    @property
+    def uses_global(self) -> bool:
+        """Does the global term ever weigh in? Not when α is 1 throughout a convex mix."""
+        a = self.alpha
+        alphas = (a.alpha0,) if a.kind == "constant" else (a.alpha0, a.alpha1)
+        return self.mix == "additive" or min(alphas) < 1
+
+    @property
+    def reads_local_reward(self) -> bool:
+        """Does any advantage depend on the per-turn (local) rewards? Through the local term,
+        or through a global term on step returns, which sum them. When not (GRPO, RLOO, Dr.
+        GRPO: outcome only), the reviews that make local rewards change nothing in training."""
+        return self.uses_local or (self.uses_global and self.global_signal == "return")
+
+    @property
     def reads_old_logp(self) -> bool:
         """Does the loss read the log-probs the samples were drawn with (`mapo_loss`'s
         `old_logp`)? Replay weighs by them, clip clips against them."""
@@ -1040,10 +1060,7 @@ def advantages(
     n = len(batch)
     dev = batch.local_reward.device
     runs = torch.zeros(n, dtype=torch.long, device=dev) if batch.run is None else batch.run.long()
-    a = config.alpha
-    alphas = (a.alpha0,) if a.kind == "constant" else (a.alpha0, a.alpha1)
-    uses_local = max(alphas) > 0  # a term whose weight is 0 throughout is not computed
-    uses_global = config.mix == "additive" or min(alphas) < 1
+    uses_local, uses_global = config.uses_local, config.uses_global  # a term weighing 0: skipped
     in_grad = gradient_mask(batch, config)
     rows = in_grad.nonzero().squeeze(1)
     metrics: dict[str, float] = {}
@@ -1301,9 +1318,7 @@ def describe(config: AdvantageConfig | str) -> str:
     whole α schedule are said to be unused, as `advantages` skips them.
     """
     c = PRESETS[config] if isinstance(config, str) else config
-    a = c.alpha
-    alphas = (a.alpha0,) if a.kind == "constant" else (a.alpha0, a.alpha1)
-    uses_local, uses_global = max(alphas) > 0, c.mix == "additive" or min(alphas) < 1
+    uses_local, uses_global = c.uses_local, c.uses_global
     lines = [c.name] + ([f"  source   {c.source}"] if c.source else [])
     if uses_local:
         group = {
@@ -1363,9 +1378,9 @@ def describe(config: AdvantageConfig | str) -> str:
     elif not uses_global:
         lines.append("  A        = A_local")
     elif c.mix == "additive":
-        lines.append(f"  A        = A_global + α·A_local,  {_alpha_text(a)}")
+        lines.append(f"  A        = A_global + α·A_local,  {_alpha_text(c.alpha)}")
     else:
-        lines.append(f"  A        = α·A_local + (1 − α)·A_global,  {_alpha_text(a)}")
+        lines.append(f"  A        = α·A_local + (1 − α)·A_global,  {_alpha_text(c.alpha)}")
     kl = f" + {c.beta:g}·{c.kl}(π‖π_ref)" if c.beta else ""
     weight = f"min(π/π_old, {c.is_cap:g})·" if c.replay_in_gradient else ""
     if c.clip is not None:

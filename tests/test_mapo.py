@@ -453,6 +453,45 @@ def test_every_preset_documents_its_source_and_runs():
         assert "adv/mixed_std" in m
 
 
+def test_reads_local_reward_says_whether_the_per_turn_rewards_move_any_advantage():
+    """For every preset, at the start and the end of its α schedule, and for an outcome-only
+    MAPO, a local-only one and GRPO on step returns: the advantages change with the per-turn rewards
+    (and the step returns made of them) exactly where `reads_local_reward` says they do."""
+    gen = torch.Generator().manual_seed(1)
+    outcome = (torch.rand(8, generator=gen) > 0.5).float()
+    state = torch.randint(3, (24,), generator=gen)
+    configs = dict(PRESETS)
+    configs["mapo_outcome_only"] = mapo.preset("mapo", alpha=AlphaSchedule(alpha0=0.0))
+    configs["local_only"] = mapo.preset("mapo", alpha=AlphaSchedule(alpha0=1.0))
+    configs["grpo_on_returns"] = mapo.preset(  # α 0, but its global term sums per-turn rewards
+        "grpo", gamma=1.0, global_signal="return", global_unit="step"
+    )
+    assert not configs["mapo_outcome_only"].reads_local_reward
+
+    def adv(cfg, local, step):
+        ret = mapo.returns_for(cfg, local, outcome)
+        batch = StepBatch(
+            local_reward=local.reshape(-1),
+            global_reward=outcome.repeat_interleave(3),
+            ret=ret.reshape(-1),
+            state=state,
+            task_group=torch.arange(8).repeat_interleave(3) // 4,
+            traj=torch.arange(8).repeat_interleave(3),
+            turn=torch.arange(3).repeat(8),
+        )
+        return mapo.advantages(batch, cfg, step=step)[0]
+
+    a, b = torch.randn(8, 3, generator=gen), torch.randn(8, 3, generator=gen)
+    readers = set()
+    for name, cfg in configs.items():
+        for step in (0, 10_000):
+            if not torch.equal(adv(cfg, a, step), adv(cfg, b, step)):
+                readers.add(name)
+        assert (name in readers) == cfg.reads_local_reward, name
+    assert {"grpo", "rloo", "dr_grpo", "mapo_outcome_only"}.isdisjoint(readers)
+    assert {"mapo", "reinforce_pp", "gigpo", "local_only", "grpo_on_returns"} <= readers
+
+
 def test_one_factor_changes_the_estimator_and_nothing_else():
     """one_factor(grpo, mapo) is grpo's advantage with mapo's state key and loss: on the same
     batch it gives grpo's advantages, and only the estimator fields differ from mapo."""
