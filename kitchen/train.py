@@ -99,6 +99,7 @@ from kitchen.evaluate import (
 from kitchen.files import atomic_write_bytes, atomic_write_text, read_jsonl, write_jsonl
 from kitchen.grm import GRM, GRMConfig
 from kitchen.guard import AxiomGuard
+from kitchen.injection import flags as injection_flags
 from kitchen.jobs import Job, pair_jobs
 from kitchen.judge import judge
 from kitchen.mapo import (
@@ -219,6 +220,16 @@ class RewardConfig(StrictModel):
         "worst (a red-line veto, a flag, a truncation) is never paid up, and a review flagged "
         "under `flagged: trajectory` gets nothing. Needs a local signal that reads the reward "
         "(not `local_signal: clauses`). 0 (default): the verdicts only.",
+    )
+    unread_reviews: Literal["skip", "review"] = Field(
+        "skip",
+        description="When no advantage reads a per-turn reward (GRPO, RLOO, Dr. GRPO: α 0 "
+        "throughout, an outcome-only global term; `AdvantageConfig.reads_local_reward`) and "
+        "`global_blend` is 0, the GRM's reviews change nothing the update sees. 'skip' "
+        "(default): the GRM is neither loaded nor run; the rule judge's verdicts stand in for "
+        "its reviews in the per-turn metrics, and the injection flags, which are rules, still "
+        "reach the global reward (`flagged`). 'review': review with the GRM anyway, to watch "
+        "what it says of such a run.",
     )
     truncated: Literal["worst", "drop"] = Field(
         "worst",
@@ -486,6 +497,16 @@ class Recipe(StrictModel):
             "compare": {},
         }
         return Recipe.model_validate(doc)
+
+    @property
+    def grm_reviews(self) -> bool:
+        """Does a run of this recipe review with the GRM? Only where something reads the
+        reviews: the reward's reviewer is the GRM and an advantage reads per-turn rewards or
+        the global reward blends the overall verdict in (`reward.unread_reviews`)."""
+        if self.reward.reviewer != "grm":
+            return False
+        read = self.advantage.resolve().reads_local_reward or self.reward.global_blend > 0
+        return read or self.reward.unread_reviews == "review"
 
     def problem(self, loc: Loc, message: str) -> Problem:
         """A problem at `loc` of this recipe: file and line when it was read from a file."""
@@ -1110,6 +1131,15 @@ def iteration_metrics(x: Iteration, buffer: ReplayBuffer, grm: bool) -> dict[str
     return m
 
 
+def unread_note(recipe: Recipe) -> str:
+    """What a run whose advantage reads no review says when it starts (`reward.unread_reviews`)."""
+    return (
+        f"{recipe.name}: the advantage ({recipe.advantage.resolve().name}) reads no per-turn "
+        "reward and the global reward is the world's outcome, so the GRM is not run; the rule "
+        "judge's verdicts fill the per-turn metrics (reward.unread_reviews: review runs it)"
+    )
+
+
 class Run:
     """One training run: state, one iteration at a time, checkpoints."""
 
@@ -1134,7 +1164,11 @@ class Run:
             self.model, self.tok = load_model(spec)
         self.adapter = spec.lora.name
         with located(recipe, ("grm",)):
-            self.grm = self._load_grm() if recipe.reward.reviewer == "grm" else None
+            self.grm = self._load_grm() if recipe.grm_reviews else None
+        if recipe.reward.reviewer == "grm" and self.grm is None and progress:
+            from tqdm.auto import tqdm
+
+            tqdm.write(unread_note(recipe))
         params = [p for p in self.model.parameters() if p.requires_grad]  # the policy adapter
         self.opt = torch.optim.AdamW(
             params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay
@@ -1306,7 +1340,15 @@ class Run:
         # 2. review every episode (the rule judge too: it is what the metrics trust)
         t0 = time.perf_counter()
         judged = [judge(t, pc, self.menu) for t, pc in zip(trajs, pcs, strict=True)]
-        reviews = judged if self.grm is None else self.grm.review(trajs, pcs)
+        if self.grm is not None:
+            reviews = self.grm.review(trajs, pcs)
+        elif r.reward.reviewer == "grm":  # nothing reads the GRM's verdicts: the judge's stand in
+            reviews = [
+                j.model_copy(update={"flags": injection_flags(t)})
+                for j, t in zip(judged, trajs, strict=True)
+            ]
+        else:
+            reviews = judged
         review_seconds = time.perf_counter() - t0
         # 3. rewards per turn and per episode → one step sample per trainable turn
         rewards = episode_rewards(trajs, reviews, pcs, r.reward, r.train.guard == "learn")
@@ -1842,7 +1884,7 @@ def file_problems(recipe: Recipe) -> list[Problem]:
     else:
         out += form_clause_problems(recipe, c)
     models = [(("policy", "path"), recipe.policy.path)]
-    if recipe.reward.reviewer == "grm" and not recipe.grm.adapter:
+    if recipe.grm_reviews and not recipe.grm.adapter:
         models.append((("grm", "model"), recipe.grm.model))
     for loc, path in models:
         try:

@@ -487,6 +487,36 @@ def test_shipped_recipes_load_and_point_at_what_ships():
     assert main.advantage.resolve().name == "mapo" and "grpo" in main.compare
 
 
+def test_an_advantage_that_reads_no_review_trains_the_same_without_the_grm(runs_dir):
+    """GRPO reads the world's outcome alone, so the GRM's reviews change nothing its update
+    sees: with `reward.unread_reviews: skip` (the default) the GRM is neither loaded nor run,
+    and two iterations end with the same adapter, to the bit, and the same losses as a run that
+    reviews with it; a MAPO recipe still reviews with the GRM."""
+    grm = {"model": str(paths.DATA / "models" / "grm-tiny"), "batch_size": 8}
+    grpo = {"preset": "grpo", "overrides": {"beta": 0.02, "state_key": "abstract"}}
+    runs = {}
+    for mode in ("review", "skip"):
+        recipe = tiny_recipe(
+            f"grpo-{mode}",
+            grm=grm,
+            advantage=grpo,
+            reward={"reviewer": "grm", "unread_reviews": mode},
+            checkpoint_every=10,
+        )
+        assert recipe.grm_reviews == (mode == "review")
+        runs[mode] = run = Run(recipe, runs_dir / recipe.name, progress=False)
+        for _ in range(2):
+            run.step()
+    assert runs["skip"].grm is None and runs["review"].grm.stats["lines"] > 0
+    a, b = lora_state(runs["review"].model), lora_state(runs["skip"].model)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for key in ("loss/total", "adv/global_std", "reward/global_mean", "judge/compliance"):
+        assert [m[key] for m in runs["review"].metrics] == [m[key] for m in runs["skip"].metrics]
+    assert "grm/parsed" in runs["review"].metrics[0] and "grm/parsed" not in runs["skip"].metrics[0]
+    mapo_recipe = tiny_recipe("mapo-grm", grm=grm, reward={"reviewer": "grm"})
+    assert mapo_recipe.grm_reviews
+
+
 def test_gpu_recipe_path_runs_on_a_cpu_in_small_shape(runs_dir):
     """recipes/gpu_qwen_qlora.yaml's path — a LoRA policy, the GRM a second adapter on the same
     base, the KL reference that base with the adapters off — in a small shape on a CPU (the
