@@ -57,6 +57,7 @@ import sys
 import time
 from collections.abc import Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -198,11 +199,32 @@ def models_digest(doc: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class Play:
+    """A policy's held-out episodes, played in a slot training leaves free (`_play_held_out`
+    into `cache`, where `held_out` finds them): once the run `after` has finished (None: no
+    run to wait for) and `where` exists."""
+
+    name: str
+    where: str
+    cfg: EvalConfig
+    cache: str
+    guard: bool = True
+    after: str | None = None
+
+
 def cook_side_by_side(
-    recipes: dict[str, dict[str, Any]], out: Path, progress: bool = True, parallel: int = 2
+    recipes: dict[str, dict[str, Any]],
+    out: Path,
+    progress: bool = True,
+    parallel: int = 2,
+    plays: Sequence[Play] = (),
 ) -> dict[str, Path]:
     """Run each recipe in its own `kitchen cook` process, `parallel` at a time (one torch thread
-    each); wait for them all. Finished runs are skipped, interrupted ones resumed."""
+    each); wait for them all. Finished runs are skipped, interrupted ones resumed. A slot no
+    training run needs (the last runs outlast the others: GRPO reads no review) plays the
+    `plays` whose policies are ready, in their order, and waits for them too; a play that fails
+    is left for `held_out` to play again, where its error shows."""
     folders = {name: paths.RUNS / name for name in recipes}
     todo = []
     for name, doc in recipes.items():
@@ -224,8 +246,11 @@ def cook_side_by_side(
     bar = tqdm(total=total, desc="training", unit="it", disable=not progress)
     running: dict[str, tuple[subprocess.Popen, Any]] = {}
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    while todo or running:
-        while todo and len(running) < parallel:
+    finished = {n for n in recipes if n not in dict(todo)}
+    waiting, playing = list(plays), {}
+    ctx = multiprocessing.get_context("spawn")
+    while todo or running or playing or any(_ready(p, finished) for p in waiting):
+        while todo and len(running) + len(playing) < parallel:
             name, args = todo.pop(0)
             log = (out / f"{name}.log").open("w")
             proc = subprocess.Popen(
@@ -235,7 +260,22 @@ def cook_side_by_side(
                 env=env,
             )
             running[name] = (proc, log)
+        for play in [p for p in waiting if _ready(p, finished)]:
+            if todo or len(running) + len(playing) >= parallel:
+                break
+            waiting.remove(play)
+            args = (play.name, play.where, play.cfg, play.cache, play.guard)
+            playing[play.name] = ctx.Process(target=_play_held_out, args=args, daemon=True)
+            playing[play.name].start()
+        bar.set_postfix_str(f"held-out play: {', '.join(playing)}" if playing else "")
         time.sleep(2)
+        for name, proc in list(playing.items()):
+            if not proc.is_alive():
+                del playing[name]
+                if proc.exitcode:
+                    bar.write(
+                        f"held-out play of {name} failed (exit {proc.exitcode}); it plays again"
+                    )
         done = min(sum(_iterations(folders[n]) for n in recipes), total)
         if done > bar.n:
             bar.update(done - bar.n)
@@ -244,10 +284,14 @@ def cook_side_by_side(
                 continue
             log.close()
             del running[name]
-            if proc.returncode != 0:
+            if proc.returncode == 0:
+                finished.add(name)
+            else:
                 for p, lg in running.values():
                     p.terminate()
                     lg.close()
+                for p in playing.values():
+                    p.terminate()
                 tail = (out / f"{name}.log").read_text()[-2000:]
                 raise KitchenError(
                     f"training run {name} failed (exit {proc.returncode}); the end of "
@@ -256,6 +300,39 @@ def cook_side_by_side(
     bar.update(total - bar.n)
     bar.close()
     return folders
+
+
+def early_plays(
+    recipes: dict[str, dict[str, Any]],
+    mapos: Sequence[str],
+    half_runs_of: dict[str, str],
+    sft: str,
+    cfg: EvalConfig,
+    cache: Path,
+) -> list[Play]:
+    """The held-out plays `main_job` evaluates, for the slots training leaves free, longest
+    first: every run's final policy (with the guard and without), MAPO at half its budget
+    (its half run, or the full run's kept checkpoint once written; without the guard), then the
+    SFT policy."""
+    cache.mkdir(parents=True, exist_ok=True)
+
+    def play(name: str, where: Path, guard: bool = True, after: str | None = None) -> Play:
+        return Play(name, str(where), cfg, str(cache / f"{name}.json"), guard, after)
+
+    halves = set(half_runs_of.values())
+    out = [play(n, paths.RUNS / n, after=n) for n in recipes if n not in halves]
+    for m in mapos:
+        if m in half_runs_of:
+            out.append(play(half_name(m), paths.RUNS / half_runs_of[m], False, half_runs_of[m]))
+        else:
+            ck = paths.RUNS / m / "checkpoints" / f"it-{half_point(recipes[m]):04d}"
+            out.append(play(half_name(m), ck, False))
+    return [*out, play("sft", Path(sft), False)]
+
+
+def _ready(play: Play, finished: Collection[str]) -> bool:
+    """Whether `play`'s policy is there to play: its run has finished, its folder exists."""
+    return (play.after is None or play.after in finished) and Path(play.where).exists()
 
 
 def _iterations(folder: Path) -> int:
@@ -624,15 +701,17 @@ def main_job(
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     recipes = arms(iterations, recipe, seeds, prefix, half_runs)
-    trained = cook_side_by_side(recipes, out, progress)
-    train_s = time.perf_counter() - t0
+    base = Recipe.model_validate(next(iter(recipes.values())))
+    cfg = EvalConfig(tasks=eval_tasks, samples=eval_samples, long_share=base.eval.long_share)
     mapos = {seed: run_name("mapo", seed, prefix) for seed in seeds}
     half_runs_of = {m: half_run_name(m) for m in mapos.values() if half_run_name(m) in recipes}
+    sft = _home(start.policy.path)
+    plays = early_plays(recipes, list(mapos.values()), half_runs_of, sft, cfg, out / "held_out")
+    trained = cook_side_by_side(recipes, out, progress, plays=plays)
+    train_s = time.perf_counter() - t0
     folders = {n: f for n, f in trained.items() if n not in half_runs_of.values()}
 
     torch.set_num_threads(1)
-    base = Recipe.model_validate(next(iter(recipes.values())))
-    cfg = EvalConfig(tasks=eval_tasks, samples=eval_samples, long_share=base.eval.long_share)
     halves = {}  # MAPO at half its budget: the half run, or the full run's kept checkpoint
     for m in mapos.values():
         if m in half_runs_of:

@@ -49,6 +49,7 @@ def test_the_two_runs_differ_in_the_advantage_estimator_only():
     m, g = docs["demo-mapo"], docs["demo-grpo"]
     assert {k for k in m if m[k] != g[k]} == {"name", "advantage"}
     rm, rg = Recipe.model_validate(m), Recipe.model_validate(g)
+    assert rm.grm_reviews and not rg.grm_reviews  # GRPO reads no review: the GRM is not run
     am, ag = rm.advantage.resolve(), rg.advantage.resolve()
     assert ag.model_dump() == mapo.one_factor(mapo.PRESETS["grpo"], am).model_dump()
     assert am.alpha.steps == 7 and rm.train.iterations == rg.train.iterations == 7
@@ -132,11 +133,12 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir, monkeypatch):
     shutil.copytree(paths.DATA / "models" / "policy-tiny", sft)
     recipe = Path(small_recipe(tmp_path))
     recipe.write_text(recipe.read_text().replace("data/models/policy-tiny", str(sft)))
-    played = {}
+    played, kept = {}, set()
     real = demo.held_out
 
     def spy(policies, *args, **kwargs):
         played.update(policies)
+        kept.update(f.stem for f in (runs_dir / "demo" / "held_out").glob("*.json"))
         return real(policies, *args, **kwargs)
 
     monkeypatch.setattr(demo, "held_out", spy)
@@ -144,6 +146,8 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir, monkeypatch):
         iterations=2, eval_tasks=6, eval_samples=1, progress=False, recipe=recipe
     )
     assert Path(played["sft"]) == sft  # the baseline is the recipe's policy
+    # every policy was played in a slot training left free, before the evaluation began
+    assert kept == set(played) == {"sft", "demo-mapo", "demo-grpo", "demo-mapo-half"}
     saved = json.loads((runs_dir / "demo" / "results.json").read_text())
     assert saved["sft_policy"] == str(sft)
     assert set(saved["held_out"]) == {"sft", "demo-mapo", "demo-grpo", "demo-mapo-half"}
