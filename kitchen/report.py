@@ -153,6 +153,12 @@ def run_sections(folder: str | os.PathLike, label: str = "") -> list[Section]:
             )
         ),
     ]
+    if "grm/parsed" not in m.columns:
+        out[0].text(
+            "The per-turn rewards and clause verdicts of this run are the rule judge's: it was "
+            "reviewed by the judge, or its advantage reads no per-turn reward, so the GRM was not "
+            "run (`reward.unread_reviews`)."
+        )
     if "reward/gap_grm_minus_judge" in m.columns:
         out[0].chart(
             charts.run_curves(

@@ -182,6 +182,7 @@ def test_main_job_end_to_end_in_a_small_shape(tmp_path, runs_dir, monkeypatch):
     assert saved["arithmetic"] == demo.arithmetic(load_recipe(recipe))
     assert f"GRM review in {saved['arithmetic']['review']}" in html
     assert "Side by side" in html and "— sft —" in html
+    assert html.count("clause verdicts of this run are the rule judge") == 2  # judge-reviewed
     assert "mapo: win rate vs SFT" in demo.summary(results)
     table = (runs_dir / "demo" / "table.md").read_text()
     assert "**long tasks**" in table and "T3 pass, verbosity=brief" in table
