@@ -923,17 +923,20 @@ class AdvantageConfig(StrictModel):
         return self
 
     @property
+    def alpha_ends(self) -> tuple[float, ...]:
+        """The α values the schedule runs between (one for a constant): its extremes."""
+        a = self.alpha
+        return (a.alpha0,) if a.kind == "constant" else (a.alpha0, a.alpha1)
+
+    @property
     def uses_local(self) -> bool:
         """Does the local term ever weigh in? Not when α is 0 for the whole schedule (GRPO)."""
-        a = self.alpha
-        return max((a.alpha0,) if a.kind == "constant" else (a.alpha0, a.alpha1)) > 0
+        return max(self.alpha_ends) > 0
 
     @property
     def uses_global(self) -> bool:
         """Does the global term ever weigh in? Not when α is 1 throughout a convex mix."""
-        a = self.alpha
-        alphas = (a.alpha0,) if a.kind == "constant" else (a.alpha0, a.alpha1)
-        return self.mix == "additive" or min(alphas) < 1
+        return self.mix == "additive" or min(self.alpha_ends) < 1
 
     @property
     def reads_local_reward(self) -> bool:
