@@ -319,15 +319,27 @@ def early_plays(
     def play(name: str, where: Path, guard: bool = True, after: str | None = None) -> Play:
         return Play(name, str(where), cfg, str(cache / f"{name}.json"), guard, after)
 
-    halves = set(half_runs_of.values())
-    out = [play(n, paths.RUNS / n, after=n) for n in recipes if n not in halves]
+    runs = set(half_runs_of.values())
+    out = [play(n, paths.RUNS / n, after=n) for n in recipes if n not in runs]
+    halves = half_policies(recipes, mapos, half_runs_of)
+    out += [play(name, where, False, after) for name, (where, after) in halves.items()]
+    return [*out, play("sft", Path(sft), False)]
+
+
+def half_policies(
+    recipes: dict[str, dict[str, Any]], mapos: Sequence[str], half_runs_of: dict[str, str]
+) -> dict[str, tuple[Path, str | None]]:
+    """MAPO at half its budget, per seed: its held-out name → (where it is, the run it waits
+    for): its half run, or the full run's checkpoint at `half_point` (kept; there once
+    written, and then complete: checkpoints are written atomically)."""
+    out: dict[str, tuple[Path, str | None]] = {}
     for m in mapos:
         if m in half_runs_of:
-            out.append(play(half_name(m), paths.RUNS / half_runs_of[m], False, half_runs_of[m]))
+            out[half_name(m)] = (paths.RUNS / half_runs_of[m], half_runs_of[m])
         else:
             ck = paths.RUNS / m / "checkpoints" / f"it-{half_point(recipes[m]):04d}"
-            out.append(play(half_name(m), ck, False))
-    return [*out, play("sft", Path(sft), False)]
+            out[half_name(m)] = (ck, None)
+    return out
 
 
 def _ready(play: Play, finished: Collection[str]) -> bool:
@@ -712,14 +724,11 @@ def main_job(
     folders = {n: f for n, f in trained.items() if n not in half_runs_of.values()}
 
     torch.set_num_threads(1)
-    halves = {}  # MAPO at half its budget: the half run, or the full run's kept checkpoint
-    for m in mapos.values():
-        if m in half_runs_of:
-            halves[half_name(m)] = trained[half_runs_of[m]]
-            continue
-        ck = folders[m] / "checkpoints" / f"it-{half_point(recipes[m]):04d}"
-        if (ck / "state.pt").exists():
-            halves[half_name(m)] = ck
+    halves = {  # MAPO at half its budget: the half run, or the full run's kept checkpoint
+        name: where
+        for name, (where, run) in half_policies(recipes, list(mapos.values()), half_runs_of).items()
+        if run is not None or (where / "state.pt").exists()
+    }
     policies = {"sft": Path(_home(start.policy.path)), **folders, **halves}
     held, trajs = held_out(policies, cfg, progress, cache=out / "held_out", unguarded=set(halves))
     pcs = [pc for _, pc, _ in eval_jobs(cfg) for _ in range(cfg.samples)]
